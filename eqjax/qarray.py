@@ -1,0 +1,299 @@
+"""The quantized array type.
+
+A :class:`QArray` is a frozen dataclass registered as a JAX pytree. Its array fields (``values``,
+``scale``, ``zero_point``) are pytree leaves; everything else is static metadata, so a QArray can be
+passed through ``jax.jit``, ``shard_map``, Orbax and ``jax.tree.map`` like any other pytree.
+
+Layouts (the :class:`Granularity` of the scale):
+
+* ``per_tensor()``: one scale for the whole tensor.
+* ``per_channel(axes)``: one scale per index of the *kept* axes (e.g. ``per_channel(1)`` on a
+  ``[in, out]`` kernel is one scale per output channel; ``per_channel(0)`` on ``[tokens, features]``
+  activations is per-token).
+* ``per_group(axis, size)``: ``axis`` is cut into contiguous groups of ``size`` elements; one scale per
+  group *and* per index of every other axis (the usual group-wise weight layout for ``axis=0`` of an
+  ``[in, out]`` kernel).
+
+Storage ("codes"):
+
+* ``bits <= 4``: unsigned codes in ``[0, 2**bits - 1]`` packed densely along ``pack_axis`` (always the
+  group axis for group layouts, else axis 0): ``n = 8 / gcd(bits, 8)`` consecutive codes occupy
+  ``bits * n / 8`` bytes, little-endian, first code in the lowest bits. For 4 bits this is "two per
+  byte, even index in the low nibble"; 2 bits four per byte; 3 bits eight codes in three bytes. The
+  pack axis is zero-padded to a multiple of ``n``; ``shape`` holds the unpadded shape.
+  Symmetric packed arrays use the implicit zero point ``2**(bits-1)``.
+* ``5 <= bits <= 8``: one code per byte, unpacked. Symmetric: ``int8`` values in
+  ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``, zero point 0. Asymmetric: ``uint8`` codes in
+  ``[0, 2**bits - 1]``.
+
+Value represented: ``x_hat = (code - zp) * scale`` with ``zp`` the stored zero point (asymmetric), the
+implicit ``2**(bits-1)`` (symmetric, packed) or 0 (symmetric, unpacked).
+
+Invariants (checked by :func:`validate`):
+
+1. ``2 <= bits <= 8``.
+2. ``scale.ndim == len(shape)``; ``scale.shape`` equals :func:`scale_shape` of the layout; ``scale`` is
+   float32, float16 or bfloat16, finite and strictly positive.
+3. ``zero_point is None`` iff ``symmetric``; when present it has ``scale``'s shape, dtype ``uint8``,
+   and lies in ``[0, 2**bits - 1]``. An asymmetric array represents 0.0 exactly (code == zp).
+4. ``values.dtype`` and ``values.shape`` are those :func:`storage_shape` / :func:`storage_dtype` give;
+   every (unpacked) code lies in its range.
+5. For group layouts ``shape[axis] % group_size == 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Granularity",
+    "QArray",
+    "QArrayError",
+    "per_tensor",
+    "per_channel",
+    "per_group",
+    "scale_shape",
+    "storage_shape",
+    "storage_dtype",
+    "codes_per_word",
+    "validate",
+]
+
+SUPPORTED_BITS = tuple(range(2, 9))
+SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+class QArrayError(ValueError):
+    """A quantized array (or the request to build one) breaks an invariant."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Granularity:
+    """Which elements share a scale. Static metadata; build with the helper functions below."""
+
+    kind: Literal["tensor", "channel", "group"]
+    axes: tuple[int, ...] = ()
+    group_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tensor", "channel", "group"):
+            raise QArrayError(f"unknown granularity kind {self.kind!r}")
+        if self.kind == "group" and (len(self.axes) != 1 or self.group_size < 1):
+            raise QArrayError("a group granularity needs exactly one axis and group_size >= 1")
+        if self.kind == "tensor" and self.axes:
+            raise QArrayError("a per-tensor granularity takes no axes")
+
+    def normalized(self, ndim: int) -> "Granularity":
+        """The same granularity with non-negative axes for an array of rank ``ndim``."""
+        axes = []
+        for a in self.axes:
+            if not -ndim <= a < ndim:
+                raise QArrayError(f"axis {a} out of range for an array of rank {ndim}")
+            axes.append(a % ndim)
+        return dataclasses.replace(self, axes=tuple(sorted(set(axes))) if self.kind == "channel" else tuple(axes))
+
+    def __str__(self) -> str:
+        if self.kind == "tensor":
+            return "per-tensor"
+        if self.kind == "channel":
+            return f"per-channel{self.axes}"
+        return f"group{self.group_size}@axis{self.axes[0]}"
+
+
+def per_tensor() -> Granularity:
+    """One scale for the whole tensor."""
+    return Granularity("tensor")
+
+
+def per_channel(axes: int | tuple[int, ...] = -1) -> Granularity:
+    """One scale per index of the kept ``axes``."""
+    return Granularity("channel", (axes,) if isinstance(axes, int) else tuple(axes))
+
+
+def per_group(axis: int, size: int) -> Granularity:
+    """Contiguous groups of ``size`` along ``axis``, one scale per group and per other index."""
+    return Granularity("group", (axis,), int(size))
+
+
+def scale_shape(shape: tuple[int, ...], gran: Granularity) -> tuple[int, ...]:
+    """Shape of the scale (and zero point) for ``shape`` under a normalized granularity."""
+    if gran.kind == "tensor":
+        return (1,) * len(shape)
+    if gran.kind == "channel":
+        return tuple(d if i in gran.axes else 1 for i, d in enumerate(shape))
+    (g,) = gran.axes
+    if shape[g] % gran.group_size:
+        raise QArrayError(
+            f"group size {gran.group_size} does not divide axis {g} of length {shape[g]} (shape {shape})"
+        )
+    return tuple(d // gran.group_size if i == g else d for i, d in enumerate(shape))
+
+
+def codes_per_word(bits: int) -> int:
+    """How many consecutive codes form one packed word (``bits * n / 8`` whole bytes)."""
+    return 8 // math.gcd(bits, 8)
+
+
+def is_packed(bits: int) -> bool:
+    return bits <= 4
+
+
+def pack_axis_for(gran: Granularity) -> int:
+    return gran.axes[0] if gran.kind == "group" else 0
+
+
+def storage_shape(shape: tuple[int, ...], bits: int, pack_axis: int) -> tuple[int, ...]:
+    """Shape of ``values`` for an array of logical ``shape``."""
+    if not is_packed(bits) or not shape:
+        return tuple(shape)
+    n = codes_per_word(bits)
+    length = -(-shape[pack_axis] // n) * n
+    packed = length * bits // 8
+    return tuple(packed if i == pack_axis else d for i, d in enumerate(shape))
+
+
+def storage_dtype(bits: int, symmetric: bool) -> np.dtype:
+    if is_packed(bits) or not symmetric:
+        return np.dtype(np.uint8)
+    return np.dtype(np.int8)
+
+
+def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Range of the stored codes (unpacked)."""
+    if symmetric and not is_packed(bits):
+        q = 2 ** (bits - 1) - 1
+        return -q, q
+    if symmetric:  # packed: q + 2**(b-1) with q in [-(2**(b-1)-1), 2**(b-1)-1]
+        return 1, 2**bits - 1
+    return 0, 2**bits - 1
+
+
+def implicit_zero_point(bits: int) -> int:
+    """Zero point of a symmetric array (not stored)."""
+    return 2 ** (bits - 1) if is_packed(bits) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """Integer codes plus scale (and zero point) standing for a float array. See the module docs.
+
+    Attributes:
+      values: packed or unpacked codes (see module docs), ``storage_shape(shape, bits, pack_axis)``.
+      scale: float32/float16/bfloat16, ``scale_shape(shape, granularity)``, > 0.
+      zero_point: uint8 of the scale's shape (asymmetric) or None (symmetric).
+      bits: 2..8.
+      symmetric: True for a signed, zero-centred grid.
+      granularity: which elements share a scale.
+      shape: logical (unpacked, unpadded) shape.
+      dtype: the float dtype ``dequantize`` returns by default.
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    zero_point: jax.Array | None
+    bits: int
+    symmetric: bool
+    granularity: Granularity
+    shape: tuple[int, ...]
+    dtype: Any = jnp.float32
+
+    @property
+    def pack_axis(self) -> int:
+        return pack_axis_for(self.granularity)
+
+    @property
+    def packed(self) -> bool:
+        return is_packed(self.bits)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """True storage size in bytes: codes + scales + zero points."""
+        total = _nbytes(self.values) + _nbytes(self.scale)
+        if self.zero_point is not None:
+            total += _nbytes(self.zero_point)
+        return total
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def effective_zero_point(self) -> jax.Array:
+        """Zero point as int32 of the scale's shape (stored or implicit)."""
+        if self.zero_point is not None:
+            return self.zero_point.astype(jnp.int32)
+        return jnp.full(self.scale.shape, implicit_zero_point(self.bits), jnp.int32)
+
+    def __repr__(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        return (
+            f"QArray(int{self.bits} {kind}, {self.granularity}, shape={self.shape}, "
+            f"dtype={jnp.dtype(self.dtype).name}, nbytes={self.nbytes})"
+        )
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(a.shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
+
+
+jax.tree_util.register_dataclass(
+    QArray,
+    data_fields=["values", "scale", "zero_point"],
+    meta_fields=["bits", "symmetric", "granularity", "shape", "dtype"],
+)
+
+
+def validate(q: QArray, *, check_values: bool = True, name: str = "QArray") -> QArray:
+    """Check every invariant of the module docs; raise :class:`QArrayError` naming ``name``.
+
+    ``check_values`` also reads the arrays (ranges, finiteness); it is skipped under tracing.
+    Returns ``q`` so it can be chained.
+    """
+    where = f"{name} (shape {q.shape}, int{q.bits})"
+    if q.bits not in SUPPORTED_BITS:
+        raise QArrayError(f"{where}: bits must be in 2..8, got {q.bits}")
+    gran = q.granularity.normalized(len(q.shape))
+    if gran != q.granularity:
+        raise QArrayError(f"{where}: granularity {q.granularity} is not normalized")
+    want_scale = scale_shape(q.shape, gran)
+    if tuple(q.scale.shape) != want_scale:
+        raise QArrayError(f"{where}: scale shape {tuple(q.scale.shape)} != expected {want_scale}")
+    if jnp.dtype(q.scale.dtype) not in SCALE_DTYPES:
+        raise QArrayError(f"{where}: scale dtype must be float32, float16 or bfloat16, got {q.scale.dtype}")
+    if q.symmetric != (q.zero_point is None):
+        raise QArrayError(f"{where}: zero_point must be None exactly when symmetric")
+    if q.zero_point is not None:
+        if tuple(q.zero_point.shape) != want_scale:
+            raise QArrayError(f"{where}: zero_point shape {tuple(q.zero_point.shape)} != {want_scale}")
+        if jnp.dtype(q.zero_point.dtype) != jnp.uint8:
+            raise QArrayError(f"{where}: zero_point dtype must be uint8, got {q.zero_point.dtype}")
+    want_values = storage_shape(q.shape, q.bits, pack_axis_for(gran))
+    if tuple(q.values.shape) != want_values:
+        raise QArrayError(f"{where}: values shape {tuple(q.values.shape)} != expected {want_values}")
+    want_dtype = storage_dtype(q.bits, q.symmetric)
+    if jnp.dtype(q.values.dtype) != want_dtype:
+        raise QArrayError(f"{where}: values dtype {q.values.dtype} != expected {want_dtype}")
+    if check_values and not any(isinstance(a, jax.core.Tracer) for a in (q.values, q.scale, q.zero_point)):
+        scale = np.asarray(q.scale.astype(jnp.float32))
+        if not np.all(np.isfinite(scale)) or not np.all(scale > 0):
+            raise QArrayError(f"{where}: scale must be finite and > 0")
+        lo, hi = code_range(q.bits, q.symmetric)
+        if q.zero_point is not None:
+            zp = np.asarray(q.zero_point)
+            if zp.max(initial=0) > 2**q.bits - 1:
+                raise QArrayError(f"{where}: zero point above {2**q.bits - 1}")
+        if not q.packed:
+            v = np.asarray(q.values)
+            if v.size and (v.min() < lo or v.max() > hi):
+                raise QArrayError(f"{where}: codes outside [{lo}, {hi}]")
+    return q

@@ -1,0 +1,88 @@
+"""Bad input: clear errors (or documented behaviour), never a silent NaN."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqjax.numerics import QuantSpec, dequantize, quantize
+from eqjax.qarray import QArrayError, per_channel, per_group, per_tensor, validate
+from eqjax.rules import Rule, RuleError, rule_from_dict
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_are_named(bad):
+    x = np.ones((4, 4), np.float32)
+    x[2, 1] = bad
+    with pytest.raises(ValueError, match=r"layers_0/q_proj/kernel.*non-finite.*\(2, 1\)"):
+        quantize(jnp.asarray(x), QuantSpec(), name="layers_0/q_proj/kernel")
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("gran", [per_tensor(), per_channel(1), per_group(0, 2)])
+def test_all_zero_tensor_is_exact(sym, gran):
+    q = quantize(jnp.zeros((4, 6)), QuantSpec(4, sym, gran))
+    validate(q)
+    out = np.asarray(dequantize(q))
+    assert np.all(out == 0.0) and np.all(np.isfinite(np.asarray(q.scale)))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("c", [3.5, -2.0, 1e-30])
+def test_constant_tensor(sym, c):
+    q = quantize(jnp.full((4, 6), c, jnp.float32), QuantSpec(8, sym, per_channel(1)))
+    out = np.asarray(dequantize(q))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, c, rtol=1e-2)
+
+
+@pytest.mark.parametrize("bits", [0, 1, 9, 16, 4.5])
+def test_unsupported_bits(bits):
+    with pytest.raises(QArrayError, match="bit width"):
+        QuantSpec(bits=bits)
+
+
+def test_group_size_must_divide_axis():
+    with pytest.raises(QArrayError, match=r"w: group size 5 does not divide axis 0 of length 12"):
+        quantize(jnp.ones((12, 4)), QuantSpec(4, True, per_group(0, 5)), name="w")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.complex64, jnp.bool_])
+def test_non_float_input_rejected(dtype):
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize(jnp.ones((4, 4), dtype), QuantSpec())
+
+
+def test_bad_regex_rule():
+    with pytest.raises(RuleError, match="does not compile"):
+        Rule("layers_(0/kernel", QuantSpec())
+    with pytest.raises(RuleError, match="unknown rule key"):
+        rule_from_dict({"pattern": ".*", "bitz": 4})
+    with pytest.raises(RuleError, match="group_size"):
+        rule_from_dict({"pattern": ".*", "granularity": "group"})
+
+
+def test_axis_out_of_range():
+    with pytest.raises(QArrayError, match="out of range"):
+        quantize(jnp.ones((4, 4)), QuantSpec(8, True, per_channel(3)))
+
+
+def test_float16_scale_overflow_is_an_error():
+    with pytest.raises(QArrayError, match="overflows a float16 scale"):
+        quantize(jnp.asarray([[1e9, -1e9]], jnp.float32), QuantSpec(8, True, per_tensor(), scale_dtype="float16"))
+
+
+def test_validator_catches_broken_arrays():
+    q = quantize(jnp.ones((8, 4)), QuantSpec(4, False, per_group(0, 4)))
+    import dataclasses
+
+    with pytest.raises(QArrayError, match="scale shape"):
+        validate(dataclasses.replace(q, scale=jnp.ones((1, 4), jnp.float32)))
+    with pytest.raises(QArrayError, match="zero_point must be None exactly when symmetric"):
+        validate(dataclasses.replace(q, symmetric=True))
+    with pytest.raises(QArrayError, match="values shape"):
+        validate(dataclasses.replace(q, values=jnp.zeros((8, 4), jnp.uint8)))
+    with pytest.raises(QArrayError, match="scale must be finite and > 0"):
+        validate(dataclasses.replace(q, scale=jnp.zeros_like(q.scale)))
+    q8 = quantize(jnp.ones((8, 4)), QuantSpec(8, True, per_channel(1)))
+    with pytest.raises(QArrayError, match="codes outside"):
+        validate(dataclasses.replace(q8, values=jnp.full((8, 4), -128, jnp.int8)))

@@ -17,6 +17,7 @@ Conventions (see :mod:`eqjax.qarray` for the storage format):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -129,14 +130,32 @@ def _check_input(x: jax.Array, name: str) -> None:
 
 
 def _blocked(x: jax.Array, gran: Granularity) -> tuple[jax.Array, tuple[int, ...]]:
-    """View of ``x`` in which each scale block is reduced over the returned axes (keepdims)."""
+    """View of ``x`` in which each scale block is reduced over the returned axes (keepdims).
+
+    A ragged last group is padded by repeating the axis' last element, which leaves its absmax and
+    min/max unchanged (the percentile and MSE searches see the repeats).
+    """
     if gran.kind == "group":
         (g,) = gran.axes
-        view = x.reshape(x.shape[:g] + (x.shape[g] // gran.group_size, gran.group_size) + x.shape[g + 1 :])
+        size = gran.group_size
+        n = -(-x.shape[g] // size)
+        pad = n * size - x.shape[g]
+        if pad:
+            x = jnp.pad(x, [(0, pad) if i == g else (0, 0) for i in range(x.ndim)], mode="edge")
+        view = x.reshape(x.shape[:g] + (n, size) + x.shape[g + 1 :])
         return view, (g + 1,)
     if gran.kind == "channel":
         return x, tuple(i for i in range(x.ndim) if i not in gran.axes)
     return x, tuple(range(x.ndim))
+
+
+def _unblock(view: jax.Array, gran: Granularity, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`_blocked` (drops the padding of a ragged last group)."""
+    if gran.kind != "group":
+        return view.reshape(shape)
+    (g,) = gran.axes
+    flat = view.reshape(shape[:g] + (view.shape[g] * view.shape[g + 1],) + shape[g + 1 :])
+    return jax.lax.slice_in_dim(flat, 0, shape[g], axis=g)
 
 
 def _to_view(s: jax.Array, gran: Granularity) -> jax.Array:
@@ -281,17 +300,24 @@ def unpack(packed: jax.Array, bits: int, axis: int, length: int) -> jax.Array:
 def quantize(x: jax.Array, spec: QuantSpec, *, name: str = "tensor") -> QArray:
     """Quantize ``x`` (float, any rank) as ``spec`` says. Errors name ``name``."""
     _check_input(x, name)
-    gran = spec.granularity.normalized(x.ndim)
     try:
-        lo, hi = compute_range(x, dataclasses.replace(spec, granularity=gran))
+        spec = dataclasses.replace(spec, granularity=spec.granularity.normalized(x.ndim))
     except QArrayError as e:
         raise QArrayError(f"{name}: {e}") from None
-    scale, zp = range_to_qparams(lo, hi, spec.bits, spec.symmetric, spec.scale_dtype)
-    if not isinstance(scale, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(scale))):
+    q = _quantize_traced(x, spec)
+    if not isinstance(q.scale, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(q.scale))):
         raise QArrayError(
             f"{name}: the range of shape {tuple(x.shape)} overflows a {spec.scale_dtype} scale; use float32 scales"
         )
-    return quantize_with(x, scale, zp, bits=spec.bits, granularity=gran, name=name)
+    return q
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def _quantize_traced(x: jax.Array, spec: QuantSpec) -> QArray:
+    """The traceable part of :func:`quantize` (input checks done by the caller), compiled per shape/spec."""
+    lo, hi = compute_range(x, spec)
+    scale, zp = range_to_qparams(lo, hi, spec.bits, spec.symmetric, spec.scale_dtype)
+    return quantize_with(x, scale, zp, bits=spec.bits, granularity=spec.granularity)
 
 
 def quantize_with(
@@ -315,12 +341,12 @@ def quantize_with(
     symmetric = zero_point is None
     view, _ = _blocked(x.astype(jnp.float32), gran)
     zp_v = 0 if symmetric else _to_view(jnp.asarray(zero_point, jnp.int32).reshape(want), gran)
-    q = _quantize_view(view, _to_view(scale.astype(jnp.float32), gran), zp_v, bits, symmetric).reshape(x.shape)
+    q = _unblock(_quantize_view(view, _to_view(scale.astype(jnp.float32), gran), zp_v, bits, symmetric), gran, x.shape)
     if symmetric:
         code = q + implicit_zero_point(bits)
         zp_out = None
     else:
-        code = q + jnp.reshape(_broadcast_view(zp_v, view.shape), x.shape)
+        code = q + _unblock(jnp.broadcast_to(zp_v, view.shape), gran, x.shape)
         zp_out = jnp.asarray(zero_point).reshape(want).astype(jnp.uint8)
     if is_packed(bits):
         values = pack(code, bits, pack_axis_for(gran))
@@ -329,15 +355,11 @@ def quantize_with(
     return QArray(values, scale, zp_out, bits, symmetric, gran, tuple(x.shape), jnp.dtype(x.dtype))
 
 
-def _broadcast_view(zp_v, shape):
-    return jnp.broadcast_to(zp_v, shape)
-
-
 def expand_scale(q: QArray) -> jax.Array:
     """The float32 scale of every element, shape ``q.shape``."""
     view_shape = _blocked(jnp.zeros(q.shape, jnp.int8), q.granularity)[0].shape
     s = jnp.broadcast_to(_to_view(q.scale.astype(jnp.float32), q.granularity), view_shape)
-    return s.reshape(q.shape)
+    return _unblock(s, q.granularity, q.shape)
 
 
 def codes(q: QArray) -> jax.Array:
@@ -354,14 +376,14 @@ def integer_values(q: QArray) -> jax.Array:
         return c
     view, _ = _blocked(c, q.granularity)
     zp = _to_view(q.effective_zero_point, q.granularity)
-    return (view - zp).reshape(q.shape)
+    return _unblock(view - zp, q.granularity, q.shape)
 
 
 def dequantize(q: QArray, dtype=None) -> jax.Array:
     """Float array of ``q.shape`` (``dtype`` defaults to ``q.dtype``)."""
     iv = integer_values(q).astype(jnp.float32)
     view, _ = _blocked(iv, q.granularity)
-    x = (view * _to_view(q.scale.astype(jnp.float32), q.granularity)).reshape(q.shape)
+    x = _unblock(view * _to_view(q.scale.astype(jnp.float32), q.granularity), q.granularity, q.shape)
     return x.astype(dtype or q.dtype)
 
 
@@ -374,7 +396,7 @@ def fake_quantize(x: jax.Array, spec: QuantSpec, *, straight_through: bool = Fal
     view, _ = _blocked(x.astype(jnp.float32), gran)
     zz = 0 if zp is None else _to_view(jax.lax.stop_gradient(zp), gran)
     q = _quantize_view(view, _to_view(scale, gran), zz, spec.bits, spec.symmetric)
-    xh = (q * _to_view(scale, gran)).reshape(x.shape).astype(x.dtype)
+    xh = _unblock(q * _to_view(scale, gran), gran, x.shape).astype(x.dtype)
     if straight_through:
         return x + jax.lax.stop_gradient(xh - x)
     return xh

@@ -12,7 +12,8 @@ Layouts (the :class:`Granularity` of the scale):
   activations is per-token).
 * ``per_group(axis, size)``: ``axis`` is cut into contiguous groups of ``size`` elements; one scale per
   group *and* per index of every other axis (the usual group-wise weight layout for ``axis=0`` of an
-  ``[in, out]`` kernel).
+  ``[in, out]`` kernel). When ``size`` does not divide the axis the last group is shorter
+  (``576 = 4 x 128 + 64``, as GPTQ/AWQ reference code does it) and has its own scale.
 
 Storage ("codes"):
 
@@ -38,7 +39,7 @@ Invariants (checked by :func:`validate`):
    and lies in ``[0, 2**bits - 1]``. An asymmetric array represents 0.0 exactly (code == zp).
 4. ``values.dtype`` and ``values.shape`` are those :func:`storage_shape` / :func:`storage_dtype` give;
    every (unpacked) code lies in its range.
-5. For group layouts ``shape[axis] % group_size == 0``.
+5. For group layouts the scale has ``ceil(shape[axis] / group_size)`` entries along ``axis``.
 """
 
 from __future__ import annotations
@@ -128,11 +129,7 @@ def scale_shape(shape: tuple[int, ...], gran: Granularity) -> tuple[int, ...]:
     if gran.kind == "channel":
         return tuple(d if i in gran.axes else 1 for i, d in enumerate(shape))
     (g,) = gran.axes
-    if shape[g] % gran.group_size:
-        raise QArrayError(
-            f"group size {gran.group_size} does not divide axis {g} of length {shape[g]} (shape {shape})"
-        )
-    return tuple(d // gran.group_size if i == g else d for i, d in enumerate(shape))
+    return tuple(-(-d // gran.group_size) if i == g else d for i, d in enumerate(shape))
 
 
 def codes_per_word(bits: int) -> int:

@@ -41,9 +41,17 @@ def test_unsupported_bits(bits):
         QuantSpec(bits=bits)
 
 
-def test_group_size_must_divide_axis():
-    with pytest.raises(QArrayError, match=r"w: group size 5 does not divide axis 0 of length 12"):
-        quantize(jnp.ones((12, 4)), QuantSpec(4, True, per_group(0, 5)), name="w")
+@pytest.mark.parametrize("sym", [True, False])
+def test_group_size_not_dividing_axis_gives_a_short_last_group(sym):
+    """Documented behaviour: 12 = 5 + 5 + 2; the last group has its own scale, as if quantized alone."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((12, 3)), jnp.float32)
+    q = quantize(x, QuantSpec(4, sym, per_group(0, 5)), name="w")
+    validate(q)
+    assert q.scale.shape == (3, 3)
+    tail = quantize(x[10:], QuantSpec(4, sym, per_group(0, 2)))
+    np.testing.assert_array_equal(np.asarray(q.scale)[2], np.asarray(tail.scale)[0])
+    np.testing.assert_array_equal(np.asarray(dequantize(q))[10:], np.asarray(dequantize(tail)))
+    assert np.all(np.abs(np.asarray(dequantize(q)) - np.asarray(x)) <= np.asarray(q.scale).max() / 2 + 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.complex64, jnp.bool_])

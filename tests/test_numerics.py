@@ -22,13 +22,14 @@ def tensor_and_spec(draw, calibrators=("absmax", "minmax")):
     rows = draw(st.sampled_from([2, 6]))  # few shapes: each new shape costs a compile
     cols = draw(st.sampled_from([4, 12]))
     x = draw(hnp.arrays(np.float32, (rows, cols), elements=FLOATS))
-    kind = draw(st.sampled_from(["tensor", "channel0", "channel1", "group0", "group1"]))
+    kind = draw(st.sampled_from(["tensor", "channel0", "channel1", "group0", "group1", "group_ragged"]))
     gran = {
         "tensor": per_tensor(),
         "channel0": per_channel(0),
         "channel1": per_channel(1),
         "group0": per_group(0, 2),
         "group1": per_group(1, 4),
+        "group_ragged": per_group(1, 5),
     }[kind]
     bits = draw(st.integers(2, 8))
     symmetric = draw(st.booleans())

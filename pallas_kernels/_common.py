@@ -1,0 +1,128 @@
+"""Helpers shared by the Pallas Triton kernels: masked 2-D tile loads/stores, exact division,
+platform selection and the CUDA export used by the tests."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    """Triton compiler params. Passing them is also what selects the Triton backend: in jax 0.10
+    a GPU ``pallas_call`` without them goes to Mosaic GPU."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def load_tile(ref, r0, nr: int, c0, nc: int, rows: int, cols: int, other=0):
+    """``ref[r0:r0+nr, c0:c0+nc]`` with out-of-bounds elements (>= rows / cols) read as ``other``.
+
+    ``nr``/``nc`` are the (power-of-two) block sizes, ``rows``/``cols`` the static array bounds.
+    Masks are only emitted along the axes that can actually run out of bounds.
+    """
+    mask = None
+    if rows % nr:
+        mask = (r0 + jnp.arange(nr) < rows)[:, None]
+    if cols % nc:
+        cm = (c0 + jnp.arange(nc) < cols)[None, :]
+        mask = cm if mask is None else mask & cm
+    view = ref.at[pl.ds(r0, nr), pl.ds(c0, nc)]
+    if mask is None:
+        return plgpu.load(view)
+    mask = jnp.broadcast_to(mask, (nr, nc))
+    return plgpu.load(view, mask=mask, other=other)
+
+
+def load_vec(ref, c0, nc: int, cols: int, other=0):
+    """``ref[c0:c0+nc]`` of a 1-D ref, out-of-bounds read as ``other``."""
+    view = ref.at[pl.ds(c0, nc)]
+    if cols % nc == 0:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=c0 + jnp.arange(nc) < cols, other=other)
+
+
+def load_row(ref, r, c0, nc: int, cols: int, other=0):
+    """Row ``r`` of a 2-D ref, columns ``c0:c0+nc`` (shape ``[nc]``)."""
+    view = ref.at[r, pl.ds(c0, nc)]
+    if cols % nc == 0:
+        return plgpu.load(view)
+    return plgpu.load(view, mask=c0 + jnp.arange(nc) < cols, other=other)
+
+
+def store_tile(ref, r0, nr: int, c0, nc: int, rows: int, cols: int, val, *, base=0):
+    """Store a tile at rows ``base + r0 ...``; rows with ``r0 + i >= rows`` or cols ``>= cols`` are
+    skipped (``base`` offsets into a stacked ``[S * rows, cols]`` array of split-K partials)."""
+    mask = None
+    if rows % nr:
+        mask = (r0 + jnp.arange(nr) < rows)[:, None]
+    if cols % nc:
+        cm = (c0 + jnp.arange(nc) < cols)[None, :]
+        mask = cm if mask is None else mask & cm
+    view = ref.at[pl.ds(base + r0, nr), pl.ds(c0, nc)]
+    if mask is None:
+        plgpu.store(view, val)
+    else:
+        plgpu.store(view, val, mask=jnp.broadcast_to(mask, (nr, nc)))
+
+
+def store_vec(ref, c0, nc: int, cols: int, val):
+    view = ref.at[pl.ds(c0, nc)]
+    if cols % nc == 0:
+        plgpu.store(view, val)
+    else:
+        plgpu.store(view, val, mask=c0 + jnp.arange(nc) < cols)
+
+
+def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
+    """IEEE round-to-nearest float32 division, as XLA computes ``a / b``.
+
+    Triton lowers ``arith.divf`` on f32 to the approximate ``div.full.f32`` (up to 2 ulp off), which
+    could flip a quantization code next to a rounding tie; on CUDA we emit ``div.rn.f32`` instead.
+    In interpret mode the kernel runs through XLA, whose ``/`` is already correctly rounded.
+    """
+    a = a.astype(jnp.float32)
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
+    if interpret:
+        return a / b
+    (out,) = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def on_cuda_else(kernel_fn: Callable, fallback_fn: Callable, *args):
+    """``kernel_fn(*args)`` when lowered for CUDA, ``fallback_fn(*args)`` on every other platform.
+
+    The choice happens at lowering time (``lax.platform_dependent``), so ``jax.export`` with
+    ``platforms=("cuda",)`` on a CPU machine lowers the Triton kernel, and a CPU/TPU run with
+    ``backend="pallas"`` silently takes the XLA path.
+    """
+    return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=fallback_fn)
+
+
+def export_for_cuda(fn: Callable, *arg_specs) -> "jax.export.Exported":
+    """Lower ``fn`` for CUDA on any machine (Triton lowering included); raises if a primitive has no
+    Triton lowering. The Triton custom call is not on jax.export's stable list, hence the check
+    is disabled for it."""
+    return jax.export.export(
+        jax.jit(fn),
+        platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
+    )(*arg_specs)

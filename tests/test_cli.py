@@ -1,0 +1,104 @@
+"""CLI: subcommands, the eval/run JSON contract on a tiny model, not-built commands exit non-zero."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from eqjax.cli import build_parser, main
+from eqjax.io.hf import save_hf_checkpoint
+from eqjax.models import LlamaConfig, Model
+
+CONTRACT = {"recipe", "ppl", "eval_tokens", "ctx", "size_bytes", "quantize_seconds"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama as an HF directory with a byte-level tokenizer.json, and a text file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    d = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(d / "tokenizer.json"))
+    model = Model(LlamaConfig(vocab=256, hidden=64, intermediate=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                              tie_word_embeddings=True))
+    params = model.init_params(jax.random.PRNGKey(0), std=0.05)
+    save_hf_checkpoint(d, model, params)
+    text = d / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200, encoding="utf-8")
+    return d, text
+
+
+def _byte_vocab():
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("run", "eval", "quantize", "search", "export-onnx"):
+        assert cmd in out
+
+
+def test_eval_json_contract(tiny, tmp_path):
+    d, text = tiny
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--model", str(d), "--text", str(text), "--recipe", "w4g128-rtn", "--ctx", "64",
+               "--eval-tokens", "256", "--json", str(out)])
+    assert rc == 0
+    row = json.loads(out.read_text())
+    assert CONTRACT <= set(row)
+    assert row["recipe"] == "w4g128-rtn" and row["eval_tokens"] == 256 and row["ctx"] == 64
+    assert np.isfinite(row["ppl"]) and row["ppl"] > 1
+
+
+def test_run_writes_list_table_and_plots(tiny, tmp_path, capsys):
+    d, text = tiny
+    rc = main(["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8,w8a8-naive", "--ctx", "64",
+               "--eval-tokens", "128", "--out", str(tmp_path / "o"), "--json", str(tmp_path / "rows.json")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["recipe"] for r in rows] == ["fp", "w8", "w8a8-naive"]
+    assert all(CONTRACT <= set(r) for r in rows)
+    assert rows[0]["delta_pct"] == 0.0 and rows[1]["size_bytes"] < rows[0]["size_bytes"]
+    for f in ("results.json", "results.md", "weight_histograms.png", "ppl_vs_size.png"):
+        assert (tmp_path / "o" / f).stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "evaluated 128 tokens" in out and "| w8a8-naive |" in out
+
+
+def test_quantize_saves_orbax(tiny, tmp_path):
+    d, text = tiny
+    rc = main(["quantize", "--model", str(d), "--text", str(text), "--recipe", "w4g128-rtn",
+               "--out", str(tmp_path / "ck")])
+    assert rc == 0 and (tmp_path / "ck" / "eqjax.json").is_file()
+
+
+def test_errors_are_clear(tiny, tmp_path, capsys):
+    d, text = tiny
+    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "nope"]) == 1
+    assert "unknown recipe 'nope'" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("too short", encoding="utf-8")
+    assert main(["eval", "--model", str(d), "--text", str(short), "--recipe", "fp", "--ctx", "64"]) == 1
+    assert "tokens" in capsys.readouterr().err
+
+
+def test_parser_has_distributed_flags_when_available():
+    p = build_parser()
+    assert p.parse_args(["eval", "--recipe", "fp"]).recipe == "fp"
+
+
+@pytest.mark.slow
+def test_eval_real_model_w8(tmp_path):
+    out = tmp_path / "w8.json"
+    assert main(["eval", "--recipe", "w8", "--eval-tokens", "1024", "--json", str(out)]) == 0
+    row = json.loads(pathlib.Path(out).read_text())
+    assert row["eval_tokens"] == 1024 and 5 < row["ppl"] < 60

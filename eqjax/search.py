@@ -1,0 +1,705 @@
+"""Mixed-precision bit-width search: per-layer sensitivity + an exact multiple-choice knapsack.
+
+Pipeline (:func:`search`):
+
+1. **Statistics.** One eager forward pass of the float model over the calibration windows records, for
+   every linear layer, the input second moment ``H = E[x x^T]`` (``[in, in]``, over all tokens).
+2. **Sensitivity proxy.** For each layer and each candidate (bits, group) the weight is quantized with
+   RTN and scored by the Hessian-weighted error ``tr(dW^T H dW) = E ||x dW||^2``: the expected squared
+   output error of that layer alone (the layer-wise objective GPTQ minimizes). Measuring the real effect
+   (KL of the logits when that one layer alone is quantized) costs one forward pass per (layer,
+   candidate): 210 x 6 passes for SmolLM2, too slow on this CPU; :func:`validate_proxy` measures it on a
+   subset and reports rank correlations of the proxies (``hessian``, ``relative`` = Hessian error / output
+   energy, ``weight`` = plain ``||dW||^2``) with the measured KL; ``search(proxy=...)`` picks one.
+3. **Knapsack.** Minimize the summed proxy subject to the summed true storage bytes (packed codes +
+   scales + zero points, exactly as :attr:`QArray.nbytes`) <= budget: a multiple-choice knapsack solved
+   exactly by dynamic programming over the size axis in units of ``u`` bytes (sizes rounded *up*, the
+   capacity rounded *down*, so the answer always fits; ``u = 1`` is exact, the default ``u`` keeps
+   ~200k cells, a rounding slack of at most ``n_layers * u`` bytes). One DP table gives the optimum for
+   every budget at once (the Pareto curve).
+
+Group sizes must divide a layer's input width; SmolLM2's 576 = 4.5 x 128 is not a multiple of 128, so a
+candidate's group is replaced per layer by the largest power of two that divides the width and is at most
+the requested group (576 -> 64; 1536 keeps 128). Powers of two keep every 2/4-bit choice exportable as
+ONNX MatMulNBits.
+
+Budgets: ``budget_bits`` is the average stored bits per weight over the searched (linear) kernels,
+metadata included (W4 g128 asymmetric with float16 scales is 4.1875); ``budget_bytes`` is the total
+stored size of the whole param tree (:func:`eqjax.pytree.tree_nbytes`), unsearched params (embeddings,
+norms, float32) included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqjax.numerics import QuantSpec, fake_quantize, quantize
+from eqjax.pytree import flatten, tree_nbytes
+from eqjax.qarray import per_channel, per_group
+from eqjax.recipe import Recipe
+from eqjax.rules import Rule
+
+__all__ = [
+    "Candidate",
+    "DEFAULT_CANDIDATES",
+    "BudgetError",
+    "SearchResult",
+    "Layer",
+    "layer_group",
+    "collect_hessians",
+    "layer_table",
+    "solve_mck",
+    "search",
+    "validate_proxy",
+    "add_search_args",
+    "search_main",
+    "run_search_cli",
+]
+
+
+class BudgetError(ValueError):
+    """The budget is below the smallest model the candidates can make (or is malformed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One quantization choice for a layer: ``bits``, groups of ``group`` along the input (None =
+    per output channel), symmetric or not. Group scales are float16 (as the built-in recipes)."""
+
+    bits: int
+    group: int | None = 128
+    symmetric: bool = False
+
+    def label(self, k_in: int | None = None) -> str:
+        g = self.group if k_in is None else layer_group(k_in, self.group)
+        gs = "pc" if g is None else f"g{g}"
+        return f"w{self.bits}{gs}{'s' if self.symmetric else 'a'}"
+
+    def spec(self, k_in: int) -> QuantSpec:
+        g = layer_group(k_in, self.group)
+        if g is None:
+            return QuantSpec(self.bits, self.symmetric, per_channel(-1), "minmax", scale_dtype="float32")
+        return QuantSpec(self.bits, self.symmetric, per_group(0, g), "minmax", scale_dtype="float16")
+
+    def rule_dict(self, pattern: str, k_in: int) -> dict[str, Any]:
+        g = layer_group(k_in, self.group)
+        d: dict[str, Any] = {"pattern": pattern, "bits": self.bits, "symmetric": self.symmetric}
+        if g is None:
+            d.update(granularity="channel", axis=-1)
+        else:
+            d.update(granularity="group", axis=0, group_size=g, scale_dtype="float16")
+        return d
+
+
+DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
+    Candidate(2, 64), Candidate(3, 64), Candidate(3, 128), Candidate(4, 64), Candidate(4, 128),
+    Candidate(8, None, True),
+)
+
+
+def layer_group(k_in: int, group: int | None) -> int | None:
+    """The group size used on a layer with ``k_in`` inputs: ``group`` if it divides ``k_in``, else the
+    largest power of two dividing ``k_in`` that is <= ``group`` (None = per-channel)."""
+    if group is None:
+        return None
+    if k_in % group == 0:
+        return group
+    p = 1
+    while k_in % (p * 2) == 0 and p * 2 <= group:
+        p *= 2
+    return p if p >= 8 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """A searchable linear kernel: its path, shape and one (candidate, bytes, proxy errors) per option."""
+
+    path: str  # e.g. "layers_3/attn/q_proj/kernel"
+    shape: tuple[int, int]
+    options: tuple[Candidate, ...]
+    nbytes: tuple[int, ...]
+    errors: Mapping[str, tuple[float, ...]]  # proxy name -> error per option
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+# ------------------------------------------------------------------------------------ statistics
+def _linear_paths(params: Any) -> dict[int, str]:
+    """id(layer dict) -> path of the layer (``.../q_proj``) for every float 2-D ``kernel``."""
+    out: dict[int, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            k = node.get("kernel")
+            if k is not None and hasattr(k, "ndim") and getattr(k, "ndim", 0) == 2 and not hasattr(k, "bits"):
+                out[id(node)] = prefix
+            for key, v in node.items():
+                if isinstance(v, Mapping):
+                    walk(v, f"{prefix}/{key}" if prefix else key)
+
+    walk(params, "")
+    return out
+
+
+def collect_hessians(model: Any, params: Any, windows: np.ndarray, *, batch_size: int = 2,
+                     progress: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
+    """``{layer path: E[x x^T]}`` (float32 ``[in, in]``) of every linear layer's input on ``windows``.
+
+    Runs the model eagerly with the linear function of :mod:`eqjax.models.llama`/``gpt2`` wrapped to
+    record its inputs (restored afterwards; not thread-safe).
+    """
+    from eqjax.models import gpt2 as gpt2_mod
+    from eqjax.models import llama as llama_mod
+
+    paths = _linear_paths(params)
+    sums: dict[str, jax.Array] = {}
+    counts: dict[str, int] = {}
+    originals = (llama_mod.linear, gpt2_mod.linear)
+
+    @jax.jit
+    def xtx(x2):
+        x2 = x2.astype(jnp.float32)
+        return jnp.matmul(x2.T, x2, precision="highest")
+
+    def recording(x, layer, **kw):
+        p = paths.get(id(layer))
+        if p is not None:
+            x2 = x.reshape(-1, x.shape[-1])
+            sums[p] = sums[p] + xtx(x2) if p in sums else xtx(x2)
+            counts[p] = counts.get(p, 0) + x2.shape[0]
+        return originals[0](x, layer, **kw)
+
+    windows = np.asarray(windows)
+    llama_mod.linear = gpt2_mod.linear = recording
+    try:
+        for i in range(0, len(windows), batch_size):
+            model.apply(params, jnp.asarray(windows[i:i + batch_size], jnp.int32))
+            if progress:
+                progress(f"statistics: {min(i + batch_size, len(windows))}/{len(windows)} windows")
+    finally:
+        llama_mod.linear, gpt2_mod.linear = originals
+    if not sums:
+        raise ValueError("no linear layer was seen: is this an eqjax Model with float params?")
+    return {p: np.asarray(s) / counts[p] for p, s in sums.items()}
+
+
+_fq_cache: dict[tuple, Callable] = {}
+
+
+def _fake_quant(w: jax.Array, spec: QuantSpec) -> jax.Array:
+    key = (tuple(w.shape), spec)
+    if key not in _fq_cache:
+        _fq_cache[key] = jax.jit(lambda a: fake_quantize(a, spec))
+    return _fq_cache[key](w)
+
+
+def _qbytes(shape: tuple[int, ...], spec: QuantSpec) -> int:
+    q = jax.eval_shape(lambda a: quantize(a, spec), jax.ShapeDtypeStruct(shape, jnp.float32))
+    return int(q.nbytes)
+
+
+@jax.jit
+def _errors(w, wq, h):
+    d = (wq - w).astype(jnp.float32)
+    hd = jnp.matmul(h, d, precision="highest")
+    herr = jnp.sum(d * hd)
+    energy = jnp.sum(w * jnp.matmul(h, w, precision="highest"))
+    return herr, herr / jnp.maximum(energy, 1e-30), jnp.sum(d * d)
+
+
+def layer_table(params: Any, hessians: Mapping[str, np.ndarray], candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
+                *, progress: Callable[[str], None] | None = None) -> list[Layer]:
+    """One :class:`Layer` per recorded linear kernel: options deduplicated per layer (groups adjusted to
+    the width), their stored bytes and proxy errors (``hessian``, ``relative``, ``weight``)."""
+    from eqjax.pytree import get_path
+
+    layers = []
+    for n, (path, h) in enumerate(sorted(hessians.items(), key=lambda kv: _natural(kv[0]))):
+        w = jnp.asarray(get_path(params, path + "/kernel"), jnp.float32)
+        k_in = int(w.shape[0])
+        seen: dict[tuple, Candidate] = {}
+        for c in candidates:
+            key = (c.bits, layer_group(k_in, c.group), c.symmetric)
+            seen.setdefault(key, c)
+        opts = tuple(seen.values())
+        hj = jnp.asarray(h)
+        errs: dict[str, list[float]] = {"hessian": [], "relative": [], "weight": []}
+        sizes = []
+        for c in opts:
+            spec = c.spec(k_in)
+            e = _errors(w, _fake_quant(w, spec), hj)
+            for name, v in zip(("hessian", "relative", "weight"), e):
+                errs[name].append(float(v))
+            sizes.append(_qbytes(tuple(w.shape), spec))
+        layers.append(Layer(path + "/kernel", tuple(int(s) for s in w.shape), opts, tuple(sizes),
+                            {k: tuple(v) for k, v in errs.items()}))
+        if progress and (n + 1) % 10 == 0:
+            progress(f"sensitivity: {n + 1}/{len(hessians)} layers")
+    return layers
+
+
+def _natural(s: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+# ------------------------------------------------------------------------------------ knapsack
+@dataclasses.dataclass(frozen=True)
+class MCKTable:
+    """DP table of a multiple-choice knapsack: ``best[c]`` = min error with (rounded) size <= c units."""
+
+    unit: int
+    sizes: np.ndarray  # [items, options] rounded-up units (padded with a huge value)
+    errors: np.ndarray  # [items, options] (padded with inf)
+    best: np.ndarray  # [cap + 1]
+    choice: np.ndarray  # [items, cap + 1] int16: option of item i at capacity c
+
+    def backtrack(self, capacity_bytes: int) -> list[int] | None:
+        c = min(int(capacity_bytes // self.unit), len(self.best) - 1)
+        if c < 0 or not np.isfinite(self.best[c]):
+            return None
+        picks = []
+        for i in range(self.sizes.shape[0] - 1, -1, -1):
+            j = int(self.choice[i, c])
+            picks.append(j)
+            c -= int(self.sizes[i, j])
+        return picks[::-1]
+
+
+def _mck_table(sizes: Sequence[Sequence[int]], errors: Sequence[Sequence[float]], cap_bytes: int, unit: int) -> MCKTable:
+    n = len(sizes)
+    width = max(len(s) for s in sizes)
+    S = np.full((n, width), np.iinfo(np.int64).max // 4, np.int64)
+    E = np.full((n, width), np.inf)
+    for i, (s, e) in enumerate(zip(sizes, errors)):
+        if len(s) != len(e) or not len(s):
+            raise ValueError(f"item {i}: sizes and errors must be non-empty and of equal length")
+        S[i, : len(s)] = -(-np.asarray(s, np.int64) // unit)  # round up
+        E[i, : len(e)] = np.asarray(e, np.float64)
+    cap = int(cap_bytes // unit)
+    dp = np.zeros(cap + 1)  # zero items: error 0 at any capacity
+    choice = np.zeros((n, cap + 1), np.int16)
+    for i in range(n):
+        new = np.full(cap + 1, np.inf)
+        arg = np.zeros(cap + 1, np.int16)
+        for j in range(width):
+            s = S[i, j]
+            if not np.isfinite(E[i, j]) or s > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[s:] = dp[: cap + 1 - s] + E[i, j]
+            better = cand < new
+            new = np.where(better, cand, new)
+            arg = np.where(better, j, arg).astype(np.int16)
+        dp = new
+        choice[i] = arg
+    return MCKTable(unit, S, E, dp, choice)
+
+
+def solve_mck(sizes: Sequence[Sequence[int]], errors: Sequence[Sequence[float]], budget: int, *,
+              unit: int = 1) -> tuple[list[int], float]:
+    """Exact multiple-choice knapsack: pick one option per item minimizing the summed error with summed
+    size <= ``budget``. Sizes are rounded up and the budget down to multiples of ``unit`` (``unit=1``:
+    exact). Returns ``(option index per item, total error)``; raises :class:`BudgetError` when even the
+    smallest options do not fit."""
+    tab = _mck_table(sizes, errors, budget, unit)
+    picks = tab.backtrack(budget)
+    if picks is None:
+        smallest = sum(min(s) for s in sizes)
+        if smallest <= budget:
+            raise BudgetError(f"budget {budget} fits only with exact sizes; it cannot be met at resolution "
+                              f"unit={unit} (use a smaller unit)")
+        raise BudgetError(f"budget {budget} is below the smallest possible total size {smallest}")
+    return picks, float(sum(errors[i][j] for i, j in enumerate(picks)))
+
+
+# ------------------------------------------------------------------------------------ search
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search` found.
+
+    Attributes:
+      recipe: a :class:`Recipe` (one step of ``method`` with the rules) usable with ``eqjax.recipe.quantize``.
+      rules: one rule per searched kernel (``re.escape``'d full path), in model order.
+      pareto: points ``{avg_bits, searched_bytes, total_bytes, proxy_error, choice_counts}`` of the optimal
+        proxy-vs-size curve (plus ``ppl`` where evaluated).
+      choices: path -> candidate label.
+      searched_bytes / total_bytes / avg_bits: of the chosen solution (``total_bytes`` = whole tree).
+      budget_bytes_searched: the byte budget the knapsack got for the searched kernels.
+      layers: the per-layer table (sizes and proxy errors per option).
+      proxy: the proxy used.
+    """
+
+    recipe: Recipe
+    rules: tuple[Rule, ...]
+    pareto: list[dict[str, Any]]
+    choices: dict[str, str]
+    searched_bytes: int
+    total_bytes: int
+    avg_bits: float
+    budget_bytes_searched: int
+    layers: list[Layer]
+    proxy: str
+
+    def recipe_dict(self) -> dict[str, Any]:
+        """The recipe as a file-ready dict (``eqjax.recipe.recipe_from_dict`` reads it back)."""
+        return _recipe_dict(self.recipe.name, self.recipe.description, self._method, self._rule_dicts)
+
+    _method: str = "rtn"
+    _rule_dicts: tuple = ()
+
+
+def _recipe_dict(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {"name": name, "description": description, "steps": [{"method": method, "rules": [dict(r) for r in rule_dicts]}]}
+
+
+def _make_recipe(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any]]) -> Recipe:
+    from eqjax.recipe import recipe_from_dict
+
+    return recipe_from_dict(_recipe_dict(name, description, method, rule_dicts))
+
+
+def _fixed_bytes(params: Any, searched: set[str]) -> int:
+    total = 0
+    for path, leaf in flatten(params):
+        if path not in searched and hasattr(leaf, "shape"):
+            total += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def search(
+    model: Any,
+    params: Any,
+    calibration_windows: np.ndarray,
+    *,
+    budget_bits: float | None = None,
+    budget_bytes: int | None = None,
+    candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
+    method: str = "rtn",
+    proxy: str = "hessian",
+    cells: int = 200_000,
+    pareto_bits: Sequence[float] = (2.5, 3.0, 3.5, 4.0, 4.25, 4.5, 5.0, 6.0, 8.0),
+    hessians: Mapping[str, np.ndarray] | None = None,
+    name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """Choose a candidate per linear kernel minimizing the summed sensitivity proxy under a size budget.
+
+    Args:
+      model, params: an :class:`eqjax.models.Model` and its float params.
+      calibration_windows: int ``[n, T]`` token windows for the input statistics.
+      budget_bits: average stored bits per searched weight (metadata included), or
+      budget_bytes: total stored bytes of the whole quantized param tree. Exactly one is required.
+      candidates: options per layer (groups adjusted per layer, see the module docs).
+      method: the recipe step that applies the rules (``"rtn"``, or a calibrated method registered in
+        :data:`eqjax.recipe.STEP_TYPES` whose ``from_config`` takes ``rules``).
+      proxy: ``"hessian"`` (default), ``"relative"`` or ``"weight"``.
+      cells: DP resolution (size axis cells); the rounding slack is at most ``n_layers * unit`` bytes.
+      pareto_bits: average-bit budgets at which the Pareto curve is sampled.
+      hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
+
+    Raises :class:`BudgetError` (with the minimum) when the budget is below the smallest model.
+    """
+    say = progress or (lambda s: None)
+    if (budget_bits is None) == (budget_bytes is None):
+        raise BudgetError("give exactly one of budget_bits and budget_bytes")
+    if proxy not in ("hessian", "relative", "weight"):
+        raise ValueError(f"unknown proxy {proxy!r}: use 'hessian', 'relative' or 'weight'")
+    if not candidates:
+        raise ValueError("no candidates")
+    t0 = time.perf_counter()
+    if hessians is None:
+        hessians = collect_hessians(model, params, calibration_windows, progress=say)
+    say(f"statistics of {len(hessians)} linear layers ({time.perf_counter() - t0:.1f}s)")
+    layers = layer_table(params, hessians, candidates, progress=say)
+    numel = sum(L.numel for L in layers)
+    fixed = _fixed_bytes(params, {L.path for L in layers})
+    min_searched = sum(min(L.nbytes) for L in layers)
+    max_searched = sum(max(L.nbytes) for L in layers)
+    if budget_bits is not None:
+        if not budget_bits > 0 or not math.isfinite(budget_bits):
+            raise BudgetError(f"budget_bits must be a positive number, got {budget_bits}")
+        budget = int(budget_bits * numel / 8)
+        if budget < min_searched:
+            raise BudgetError(
+                f"budget of {budget_bits} bits/weight is below the smallest possible model: "
+                f"{8 * min_searched / numel:.4f} bits/weight ({min_searched} bytes for the {len(layers)} searched "
+                f"kernels, every one at its smallest candidate)")
+    else:
+        budget = int(budget_bytes) - fixed
+        if budget < min_searched:
+            raise BudgetError(
+                f"budget of {int(budget_bytes)} bytes is below the smallest possible model: {fixed + min_searched} "
+                f"bytes ({fixed} bytes of unsearched params + {min_searched} bytes of the {len(layers)} kernels at "
+                "their smallest candidates)")
+    cap = max(budget, int(max(pareto_bits, default=0) * numel / 8), max_searched)
+    cap = min(cap, max_searched)
+    unit = max(1, -(-cap // cells))
+    errs = [L.errors[proxy] for L in layers]
+    tab = _mck_table([L.nbytes for L in layers], errs, max(cap, budget), unit)
+    say(f"knapsack: {len(layers)} layers x {max(len(L.options) for L in layers)} options, unit {unit} B, "
+        f"{len(tab.best)} cells")
+
+    def solution(cap_bytes: int) -> list[int] | None:
+        return tab.backtrack(min(cap_bytes, max_searched))
+
+    picks = solution(budget)
+    if picks is None:  # rounding slack: the budget fits only with exact sizes
+        raise BudgetError(f"budget {budget} bytes cannot be met at knapsack resolution {unit} bytes; raise it slightly")
+    searched_bytes = sum(L.nbytes[j] for L, j in zip(layers, picks))
+    assert searched_bytes <= budget
+    pareto = []
+    for b in sorted(set(pareto_bits) | ({budget_bits} if budget_bits else set())):
+        pk = solution(int(b * numel / 8))
+        if pk is None:
+            continue
+        sb = sum(L.nbytes[j] for L, j in zip(layers, pk))
+        counts: dict[str, int] = {}
+        for L, j in zip(layers, pk):
+            lab = L.options[j].label(L.shape[0])
+            counts[lab] = counts.get(lab, 0) + 1
+        pareto.append({"budget_bits": b, "avg_bits": 8 * sb / numel, "searched_bytes": sb, "total_bytes": sb + fixed,
+                       "proxy_error": float(sum(e[j] for e, j in zip(errs, pk))), "choice_counts": counts,
+                       "picks": pk})
+    rule_dicts = tuple(
+        L.options[j].rule_dict(re.escape(L.path), L.shape[0]) for L, j in zip(layers, picks)
+    )
+    label = f"{budget_bits}bits" if budget_bits is not None else f"{int(budget_bytes)}B"
+    name = name or f"search-{method}-{label}"
+    desc = (f"mixed precision found by eqjax.search ({proxy} proxy, exact knapsack): "
+            f"{8 * searched_bytes / numel:.3f} bits/weight over {len(layers)} kernels")
+    recipe = _make_recipe(name, desc, method, rule_dicts)
+    rules = tuple(recipe.steps[0].rules) if hasattr(recipe.steps[0], "rules") else ()
+    choices = {L.path: L.options[j].label(L.shape[0]) for L, j in zip(layers, picks)}
+    say(f"solution: {8 * searched_bytes / numel:.3f} bits/weight, {searched_bytes} bytes searched, "
+        f"{searched_bytes + fixed} total ({time.perf_counter() - t0:.1f}s)")
+    res = SearchResult(recipe, rules, pareto, choices, searched_bytes, searched_bytes + fixed,
+                       8 * searched_bytes / numel, budget, layers, proxy)
+    object.__setattr__(res, "_method", method)
+    object.__setattr__(res, "_rule_dicts", rule_dicts)
+    return res
+
+
+def rules_for_picks(layers: Sequence[Layer], picks: Sequence[int]) -> tuple[dict[str, Any], ...]:
+    """Rule dicts for one option per layer (e.g. a Pareto point's ``picks``)."""
+    return tuple(L.options[j].rule_dict(re.escape(L.path), L.shape[0]) for L, j in zip(layers, picks))
+
+
+def uniform_picks(layers: Sequence[Layer], candidate: Candidate) -> list[int]:
+    """The option index of ``candidate`` on every layer (groups adjusted as the search adjusts them)."""
+    out = []
+    for L in layers:
+        key = (candidate.bits, layer_group(L.shape[0], candidate.group), candidate.symmetric)
+        idx = [i for i, c in enumerate(L.options) if (c.bits, layer_group(L.shape[0], c.group), c.symmetric) == key]
+        if not idx:
+            raise ValueError(f"{L.path}: {candidate} is not among the searched options")
+        out.append(idx[0])
+    return out
+
+
+# ------------------------------------------------------------------------------------ proxy check
+def _spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    ra = np.argsort(np.argsort(np.asarray(a)))
+    rb = np.argsort(np.argsort(np.asarray(b)))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def validate_proxy(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *,
+                   n_layers: int = 12, bits: Sequence[int] = (2, 3), seed: int = 0,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure the real effect of quantizing one layer alone (mean KL(FP || quantized) of the next-token
+    distributions on ``windows``, and the NLL change) for a random subset of layers at each of ``bits``
+    (their smallest-group option), and the Spearman rank correlation of each proxy with it."""
+    from eqjax.methods.rtn import quantize_by_rules
+    from eqjax.pytree import get_path, set_path
+
+    rng = np.random.default_rng(seed)
+    subset = sorted(rng.choice(len(layers), size=min(n_layers, len(layers)), replace=False).tolist())
+    toks = jnp.asarray(windows, jnp.int32)
+    fwd = jax.jit(lambda p: jax.nn.log_softmax(model.apply(p, toks)[0][:, :-1].astype(jnp.float32), -1))
+    ref = fwd(params)
+    tgt = toks[:, 1:, None]
+    nll_ref = float(-jnp.mean(jnp.take_along_axis(ref, tgt, -1)))
+    rows = []
+    for n, i in enumerate(subset):
+        L = layers[i]
+        for b in bits:
+            opts = [j for j, c in enumerate(L.options) if c.bits == b]
+            if not opts:
+                continue
+            j = min(opts, key=lambda j: L.nbytes[j])
+            spec = L.options[j].spec(L.shape[0])
+            w = get_path(params, L.path)
+            p2 = set_path(params, L.path, _fake_quant(jnp.asarray(w, jnp.float32), spec))
+            lq = fwd(p2)
+            kl = float(jnp.mean(jnp.sum(jnp.exp(ref) * (ref - lq), -1)))
+            nll = float(-jnp.mean(jnp.take_along_axis(lq, tgt, -1)))
+            rows.append({"layer": L.path, "option": L.options[j].label(L.shape[0]), "kl": kl,
+                         "dnll": nll - nll_ref, **{f"proxy_{k}": v[j] for k, v in L.errors.items()}})
+        if progress:
+            progress(f"proxy check: {n + 1}/{len(subset)} layers")
+    kls = [r["kl"] for r in rows]
+    corr = {k: _spearman([r[f"proxy_{k}"] for r in rows], kls) for k in ("hessian", "relative", "weight")}
+    return {"n_measurements": len(rows), "windows": list(np.asarray(windows).shape), "spearman_vs_kl": corr,
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_search_args(p: Any) -> Any:
+    """Arguments of ``eqjax search``."""
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--budget-bits", type=float, help="average stored bits per linear weight (metadata included)")
+    g.add_argument("--budget-bytes", type=int, help="total stored bytes of the quantized model")
+    p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--out", default="search_out", help="output directory (rules JSON, Pareto JSON + PNG)")
+    p.add_argument("--method", default="rtn", help="recipe step applying the rules (rtn, or a calibrated method)")
+    p.add_argument("--proxy", default="hessian", choices=("hessian", "relative", "weight"))
+    p.add_argument("--calib-windows", type=int, default=8)
+    p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows for the Pareto ppl (0: skip)")
+    p.add_argument("--eval-len", type=int, default=512)
+    p.add_argument("--validate-proxy", type=int, default=0, metavar="N",
+                   help="also measure single-layer KL on N random layers and correlate with the proxies")
+    p.add_argument("--pareto-bits", default="2.5,3,3.5,4,4.5,5,6,8")
+    p.add_argument("--baselines", default="w4g128a,w3g128a,w8pc",
+                   help="uniform baselines to evaluate (comma-separated of w4g128a, w3g128a, w8pc; empty: none)")
+    return p
+
+
+def search_main(args: Any) -> int:
+    """``eqjax search``: run :func:`search` on the model, write ``rules.json`` (a recipe file),
+    ``pareto.json`` and ``pareto.png`` under ``--out``; print progress. Returns the exit code."""
+    import sys
+
+    from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
+    from eqjax.io.gguf import load_gguf
+    from eqjax.models import Model
+
+    def say(s: str) -> None:
+        print(f"[search] {s}", flush=True)
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, params, tok = load_gguf(args.model)
+    model = Model(cfg)
+    cal_ids, eval_ids = wikipedia_tokens(tok)
+    cal = calibration_windows(cal_ids, args.calib_windows, args.calib_len, 0)
+    pbits = [float(x) for x in str(args.pareto_bits).split(",") if x]
+    try:
+        res = search(model, params, cal, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
+                     method=args.method, proxy=args.proxy, pareto_bits=pbits, progress=say)
+    except BudgetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    (out / "rules.json").write_text(json.dumps(res.recipe_dict(), indent=1))
+    say(f"wrote {out / 'rules.json'} (load with --recipe {out / 'rules.json'})")
+    report: dict[str, Any] = {"budget_bits": args.budget_bits, "budget_bytes": args.budget_bytes,
+                              "avg_bits": res.avg_bits, "searched_bytes": res.searched_bytes,
+                              "total_bytes": res.total_bytes, "proxy": res.proxy, "method": args.method,
+                              "choices": res.choices}
+    (out / "layers.json").write_text(json.dumps([
+        {"path": L.path, "shape": L.shape, "options": [c.label(L.shape[0]) for c in L.options], "nbytes": L.nbytes,
+         "errors": L.errors} for L in res.layers]))
+    if args.validate_proxy:
+        report["proxy_check"] = validate_proxy(model, params, cal[:2, :128], res.layers, n_layers=args.validate_proxy,
+                                               progress=say)
+        say(f"proxy Spearman vs measured KL: {report['proxy_check']['spearman_vs_kl']}")
+        (out / "proxy_check.json").write_text(json.dumps(report["proxy_check"], indent=1))
+    if args.eval_windows:
+        ev = token_windows(eval_ids, args.eval_len, args.eval_windows)
+        report["eval"] = {"windows": args.eval_windows, "ctx": args.eval_len, "split": "wikipedia eval half"}
+        known = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
+        base = tuple((f"uniform {b}", known[b]) for b in str(args.baselines).split(",") if b)
+        report["pareto"] = evaluate_pareto(model, params, res, ev, method=args.method, baselines=base, progress=say)
+    else:
+        report["pareto"] = [{k: v for k, v in p.items() if k != "picks"} for p in res.pareto]
+    (out / "pareto.json").write_text(json.dumps(report, indent=1))
+    plot_pareto(report, out / "pareto.png")
+    say(f"wrote {out / 'pareto.json'} and {out / 'pareto.png'}")
+    return 0
+
+
+run_search_cli = search_main
+
+
+def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndarray, *, method: str = "rtn",
+                    baselines: Sequence[tuple[str, Candidate]] = (("uniform w4g128a", Candidate(4, 128)),
+                                                                  ("uniform w3g128a", Candidate(3, 128)),
+                                                                  ("uniform w8pc", Candidate(8, None, True))),
+                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Perplexity (``eqjax.evaluate.perplexity``) of FP, uniform baselines and each Pareto point."""
+    from eqjax.evaluate import perplexity
+    from eqjax.recipe import quantize as run_recipe
+
+    say = progress or (lambda s: None)
+    numel = sum(L.numel for L in res.layers)
+    fixed = res.total_bytes - res.searched_bytes
+    fp = perplexity(model, params, windows)
+    fp_bytes16 = sum(int(np.prod(np.shape(x))) for _, x in flatten(params)) * 2
+    pts: list[dict[str, Any]] = [{"kind": "fp32", "ppl": fp.ppl, "total_bytes": tree_nbytes(params),
+                                  "fp16_total_bytes": fp_bytes16}]
+    say(f"fp32 ppl {fp.ppl:.3f}")
+
+    def run(kind: str, picks: list[int], extra: dict[str, Any]) -> None:
+        rd = rules_for_picks(res.layers, picks)
+        qp = run_recipe(params, _make_recipe(kind, kind, method, rd))
+        sb = sum(L.nbytes[j] for L, j in zip(res.layers, picks))
+        r = perplexity(model, qp, windows)
+        pts.append({"kind": kind, "ppl": r.ppl, "avg_bits": 8 * sb / numel, "searched_bytes": sb,
+                    "total_bytes": tree_nbytes(qp), "ratio_vs_fp16_linears": (numel * 2) / sb, **extra})
+        say(f"{kind}: {8 * sb / numel:.3f} bits/weight, ppl {r.ppl:.3f}")
+
+    for lab, cand in baselines:
+        try:
+            run(lab, uniform_picks(res.layers, cand), {})
+        except ValueError as e:
+            say(f"skip {lab}: {e}")
+    for p in res.pareto:
+        run(f"searched {p['budget_bits']}b", p["picks"], {"budget_bits": p["budget_bits"],
+                                                         "proxy_error": p["proxy_error"],
+                                                         "choice_counts": p["choice_counts"]})
+    del fixed
+    return pts
+
+
+def plot_pareto(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
+    """PNG of ppl (or proxy error when no ppl) vs average bits: searched curve and uniform baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = report["pareto"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if pts and "ppl" in pts[0]:
+        s = [p for p in pts if p["kind"].startswith("searched")]
+        ax.plot([p["avg_bits"] for p in s], [p["ppl"] for p in s], "o-", label="searched (exact knapsack)")
+        for p in pts:
+            if p["kind"].startswith("uniform"):
+                ax.plot(p["avg_bits"], p["ppl"], "s", label=p["kind"])
+            if p["kind"] == "fp32":
+                ax.axhline(p["ppl"], ls="--", c="k", lw=0.8, label="fp32")
+                ax.axhline(p["ppl"] * 1.05, ls=":", c="gray", lw=0.8, label="fp32 + 5 %")
+        ax.set_ylabel("perplexity")
+        ax.set_yscale("log")
+    else:
+        ax.plot([p["avg_bits"] for p in pts], [p["proxy_error"] for p in pts], "o-")
+        ax.set_ylabel("summed proxy error")
+        ax.set_yscale("log")
+    ax.set_xlabel("average stored bits per linear weight")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,142 @@
+"""Bit-width search: exact knapsack vs brute force, budget errors, searched recipes are valid and fit."""
+
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqjax.models import LlamaConfig, Model
+from eqjax.pytree import tree_nbytes
+from eqjax.recipe import quantize, recipe_from_dict
+from eqjax.search import (
+    BudgetError,
+    Candidate,
+    collect_hessians,
+    layer_group,
+    rules_for_picks,
+    search,
+    solve_mck,
+    uniform_picks,
+)
+
+
+def _brute(sizes, errors, budget):
+    best = (np.inf, None)
+    for picks in itertools.product(*[range(len(s)) for s in sizes]):
+        if sum(s[j] for s, j in zip(sizes, picks)) <= budget:
+            e = sum(er[j] for er, j in zip(errors, picks))
+            if e < best[0]:
+                best = (e, picks)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_knapsack_exact_vs_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 6))
+    sizes = [rng.integers(1, 30, size=int(rng.integers(1, 5))).tolist() for _ in range(n)]
+    errors = [rng.random(len(s)).tolist() for s in sizes]
+    lo, hi = sum(min(s) for s in sizes), sum(max(s) for s in sizes)
+    budget = int(rng.integers(lo, hi + 1))
+    picks, err = solve_mck(sizes, errors, budget)
+    want, _ = _brute(sizes, errors, budget)
+    assert sum(s[j] for s, j in zip(sizes, picks)) <= budget
+    assert err == pytest.approx(want, abs=1e-12)
+    # a coarser unit never breaks the budget and is never better than the optimum
+    try:
+        picks2, err2 = solve_mck(sizes, errors, budget, unit=4)
+    except BudgetError as e:  # rounding up to 4-byte units can make a tight budget infeasible
+        assert "resolution" in str(e)
+    else:
+        assert sum(s[j] for s, j in zip(sizes, picks2)) <= budget and err2 >= want - 1e-12
+
+
+def test_knapsack_budget_below_minimum():
+    with pytest.raises(BudgetError, match="smallest possible total size 3"):
+        solve_mck([[1, 5], [2, 3]], [[1.0, 0.0], [1.0, 0.0]], 2)
+
+
+def test_layer_group_for_widths_not_multiple_of_128():
+    assert layer_group(576, 128) == 64  # SmolLM2 width: 576 = 4.5 x 128
+    assert layer_group(1536, 128) == 128
+    assert layer_group(576, 64) == 64
+    assert layer_group(576, None) is None
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Model(LlamaConfig(vocab=96, hidden=64, intermediate=128, n_layers=2, n_heads=4, n_kv_heads=2))
+    params = model.init_params(jax.random.key(0), std=0.1)
+    cal = np.random.default_rng(0).integers(0, 96, (2, 16)).astype(np.int32)
+    return model, params, cal, collect_hessians(model, params, cal)
+
+
+CANDS = (Candidate(2, 32), Candidate(3, 32), Candidate(4, 32), Candidate(4, 64), Candidate(8, None, True))
+
+
+def test_hessians_are_input_second_moments(tiny):
+    model, params, cal, H = tiny
+    assert len(H) == 2 * 7 + 1 and "lm_head" in H  # untied head is a linear too
+    from eqjax.models.llama import rms_norm
+
+    h = model.embed(params, jnp.asarray(cal))
+    x = np.asarray(rms_norm(h, params["layers_0"]["attn_norm"]["scale"], model.config.rms_norm_eps)).reshape(-1, 64)
+    np.testing.assert_allclose(H["layers_0/attn/q_proj"], x.T @ x / x.shape[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget_bits", [3.0, 4.5])
+def test_search_recipe_valid_and_within_budget(tiny, budget_bits):
+    model, params, cal, H = tiny
+    res = search(model, params, cal, budget_bits=budget_bits, candidates=CANDS, hessians=H, pareto_bits=(3.0, 5.0))
+    assert res.avg_bits <= budget_bits
+    qp = quantize(params, res.recipe)
+    numel = sum(L.numel for L in res.layers)
+    fixed = tree_nbytes(params) - numel * 4
+    assert tree_nbytes(qp) == res.total_bytes == fixed + res.searched_bytes
+    # the recipe round-trips through a recipe file dict and gives the same tree
+    again = recipe_from_dict(json.loads(json.dumps(res.recipe_dict())))
+    assert tree_nbytes(quantize(params, again)) == res.total_bytes
+    logits, _ = model.apply(qp, jnp.asarray(cal))
+    assert np.isfinite(np.asarray(logits)).all()
+    # more bits never increase the optimal proxy error
+    errs = [p["proxy_error"] for p in sorted(res.pareto, key=lambda p: p["budget_bits"])]
+    assert all(a >= b - 1e-9 for a, b in zip(errs, errs[1:]))
+
+
+def test_search_beats_uniform_at_equal_size_on_the_proxy(tiny):
+    model, params, cal, H = tiny
+    res = search(model, params, cal, budget_bits=4.5, candidates=CANDS, hessians=H)
+    uni = uniform_picks(res.layers, Candidate(4, 64))
+    uni_bytes = sum(L.nbytes[j] for L, j in zip(res.layers, uni))
+    res2 = search(model, params, cal, budget_bytes=uni_bytes + res.total_bytes - res.searched_bytes,
+                  candidates=CANDS, hessians=H)
+    uni_err = sum(L.errors["hessian"][j] for L, j in zip(res.layers, uni))
+    got_err = sum(L.errors["hessian"][res2.layers[i].options.index(c)] for i, L in enumerate(res2.layers)
+                  for c in [next(o for o in L.options if o.label(L.shape[0]) == res2.choices[L.path])])
+    assert res2.searched_bytes <= uni_bytes and got_err <= uni_err
+    assert rules_for_picks(res.layers, uni)[0]["group_size"] == 64
+
+
+def test_budget_below_smallest_model_says_the_minimum(tiny):
+    model, params, cal, H = tiny
+    with pytest.raises(BudgetError, match=r"below the smallest possible model: 2\.\d+ bits/weight"):
+        search(model, params, cal, budget_bits=1.5, candidates=CANDS, hessians=H)
+    with pytest.raises(BudgetError, match=r"below the smallest possible model: \d+ bytes"):
+        search(model, params, cal, budget_bytes=1000, candidates=CANDS, hessians=H)
+    with pytest.raises(BudgetError, match="exactly one"):
+        search(model, params, cal, candidates=CANDS, hessians=H)
+
+
+@pytest.mark.slow
+def test_smollm2_budget_below_minimum_is_reported():
+    from eqjax.data import calibration_windows, wikipedia_tokens
+    from eqjax.io.gguf import load_gguf
+
+    cfg, params, tok = load_gguf()
+    model = Model(cfg)
+    cal = calibration_windows(wikipedia_tokens(tok)[0], 1, 64, 0)
+    with pytest.raises(BudgetError, match=r"1\.0 bits/weight is below the smallest possible model: 2\.\d+ bits/weight"):
+        search(model, params, cal, budget_bits=1.0)

@@ -151,7 +151,10 @@ def _w8a8_xla(x2: jax.Array, k: ActQuantKernel) -> jax.Array:
             raise ValueError(f"W8A8 with groups needs groups along the input axis, got {gran}")
         G = gran.group_size
         M, K = qx.shape
-        ng = K // G
+        ng = -(-K // G)
+        if ng * G != K:  # short last group: zero-pad K (zeros add nothing to the integer sums)
+            qx = jnp.pad(qx, ((0, 0), (0, ng * G - K)))
+            qw = jnp.pad(qw, ((0, ng * G - K), (0, 0)))
         acc = jnp.einsum(
             "mgk,gkn->mgn",
             qx.reshape(M, ng, G),

@@ -143,6 +143,10 @@ def check_exportable(path: str, kernel: Any) -> str:
         g = w.granularity
         if g.kind == "group" and g.axes != (0,):
             raise ExportError(f"{path}: W8A8 with groups along axis {g.axes[0]} cannot be exported (need axis 0)")
+        if g.kind == "group" and w.shape[0] % g.group_size:
+            raise ExportError(
+                f"{path}: W8A8 group size {g.group_size} does not divide the input width {w.shape[0]} (a short "
+                "last group); the MatMulInteger lowering needs whole groups")
         if g.kind == "channel" and g.axes != (1,):
             raise ExportError(f"{path}: W8A8 needs per-output-channel weight scales, got {g}")
         return "w8a8"
@@ -217,9 +221,12 @@ def _emit_matmulnbits(G: _Graph, x: str, q: QArray, hint: str, accuracy_level: i
     bits = q.bits
     g = q.granularity
     bs = g.group_size if g.kind == "group" else K
-    nb = K // bs
+    nb = -(-K // bs)  # a short last group (e.g. K = 576, bs = 128) is a zero-padded last block
     # eqjax packs along axis 0 (K) of [K, N], low bits first: byte-identical to MatMulNBits' K packing.
-    vals = np.asarray(q.values)  # [K*bits/8, N]
+    vals = np.asarray(q.values)  # [ceil(K*bits/8), N]
+    rows = nb * bs * bits // 8
+    if vals.shape[0] < rows:
+        vals = np.concatenate([vals, np.zeros((rows - vals.shape[0], N), vals.dtype)])
     B = np.ascontiguousarray(vals.T).reshape(N, nb, bs * bits // 8)
     s = np.broadcast_to(_scale_np(q), (nb if g.kind == "group" else 1, N))
     s = np.broadcast_to(s, (nb, N)).T.reshape(-1).astype(np.float32)  # [N * nb], block-major per column

@@ -155,13 +155,19 @@ def _w8a8_xla(x2: jax.Array, k: ActQuantKernel) -> jax.Array:
         if ng * G != K:  # short last group: zero-pad K (zeros add nothing to the integer sums)
             qx = jnp.pad(qx, ((0, 0), (0, ng * G - K)))
             qw = jnp.pad(qw, ((0, ng * G - K), (0, 0)))
+        # Each group's sum of G integer products is < 2**24 when G * 127 * wmax < 2**24, so float32
+        # accumulates it exactly (and XLA:CPU runs float batched dots far faster than int32 ones).
+        wmax = 2 ** (w.bits - 1) - 1 if w.symmetric else 2**w.bits - 1
+        exact_f32 = G * (2 ** (k.act_bits - 1) - 1) * wmax < 2**24
+        acc_dtype = jnp.float32 if exact_f32 else jnp.int32
         acc = jnp.einsum(
             "mgk,gkn->mgn",
-            qx.reshape(M, ng, G),
-            qw.reshape(ng, G, -1),
-            preferred_element_type=jnp.int32,
+            qx.reshape(M, ng, G).astype(acc_dtype),
+            qw.reshape(ng, G, -1).astype(acc_dtype),
+            preferred_element_type=acc_dtype,
+            precision=jax.lax.Precision.HIGHEST,
         )
-        y = jnp.einsum("mgn,gn->mn", acc.astype(jnp.float32), wscale)
+        y = jnp.einsum("mgn,gn->mn", acc.astype(jnp.float32), wscale, precision=jax.lax.Precision.HIGHEST)
     else:
         if gran.kind == "channel" and gran.axes != (1,):
             raise ValueError(f"W8A8 needs per-output-channel or per-tensor weight scales, got {gran}")

@@ -114,6 +114,11 @@ def quantize(
 # method name -> "module:Class"; each class has ``from_config(dict) -> step``.
 STEP_TYPES: dict[str, str] = {
     "rtn": "eqjax.methods.rtn:RTN",
+    "gptq": "eqjax.methods.gptq:GPTQ",
+    "awq": "eqjax.methods.awq:AWQ",
+    "rtn-fit": "eqjax.methods.awq:FittedRTN",
+    "smoothquant": "eqjax.methods.smoothquant:SmoothQuant",
+    "zeroquant_lkd": "eqjax.methods.lkd:ZeroQuantLKD",
 }
 
 

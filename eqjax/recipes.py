@@ -45,6 +45,28 @@ def _rtn(name: str, description: str, rule: Rule) -> Callable[[], Recipe]:
     return lambda: Recipe(name, (RTN((rule,)),), description)
 
 
+
+def _smoothquant(name: str, alpha: float, search: bool = False) -> Recipe:
+    from eqjax.methods.smoothquant import SmoothQuant  # noqa: PLC0415
+
+    how = "alpha searched per block" if search else f"alpha {alpha}"
+    return Recipe(name, (SmoothQuant(alpha, search), RTN((weight_rule(8, act_bits=8),))),
+                  f"SmoothQuant ({how}) + W8 per-channel + A8 per-token dynamic")
+
+
+def _lkd(name: str, bits: int) -> Recipe:
+    from eqjax.methods.lkd import ZeroQuantLKD  # noqa: PLC0415
+
+    return Recipe(name, (ZeroQuantLKD(bits=bits, group_size=64),),
+                  f"ZeroQuant W{bits} group-64 symmetric + A8 per token, layer-by-layer distillation (Adam)")
+
+
+def _kv(name: str, description: str, kb: int, vb: int, outliers: float = 0.0) -> Recipe:
+    from eqjax.methods.kvquant import KVQuant  # noqa: PLC0415
+
+    return Recipe(name, (), description, kv=KVQuant(kb, vb, outliers))
+
+
 RECIPES: dict[str, Callable[[], Recipe]] = {
     "fp": lambda: Recipe("fp", (), "float32 baseline (no quantization)"),
     "w8-absmax": _rtn("w8-absmax", "W8 symmetric, one absmax scale per tensor (seed: absmax)",
@@ -61,7 +83,47 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w4g128-rtn": _rtn("w4g128-rtn", "W4 asymmetric, group 128, round to nearest", weight_rule(4, symmetric=False, group=128)),
     "w4g128-rtn-sym": _rtn("w4g128-rtn-sym", "W4 symmetric, group 128, round to nearest", weight_rule(4, group=128)),
     "w3g128-rtn": _rtn("w3g128-rtn", "W3 asymmetric, group 128, round to nearest", weight_rule(3, symmetric=False, group=128)),
+    # SmoothQuant (alpha smoothing, then W8 per-channel + A8 per-token), ZeroQuant + LKD, KV cache.
+    "w8a8-smoothquant": lambda: _smoothquant("w8a8-smoothquant", 0.85),
+    "w8a8-smoothquant-a0.5": lambda: _smoothquant("w8a8-smoothquant-a0.5", 0.5),
+    "w8a8-smoothquant-search": lambda: _smoothquant("w8a8-smoothquant-search", 0.85, search=True),
+    "w8a8-zeroquant-lkd": lambda: _lkd("w8a8-zeroquant-lkd", 8),
+    "w4a8-zeroquant-lkd": lambda: _lkd("w4a8-zeroquant-lkd", 4),
+    "kv8": lambda: _kv("kv8", "KV cache int8 (keys per channel pre-RoPE, values per token); weights float", 8, 8),
+    "kv4": lambda: _kv("kv4", "KV cache int4 (keys per channel pre-RoPE, values per token); weights float", 4, 4),
+    "kv3-outliers": lambda: _kv("kv3-outliers", "KV cache int3 + 1% float16 outliers; weights float", 3, 3, 0.01),
+    "kv2-outliers": lambda: _kv("kv2-outliers", "KV cache int2 + 1% float16 outliers; weights float", 2, 2, 0.01),
+    # GPTQ / AWQ (eqjax.methods.gptq, eqjax.methods.awq): groups of 128 fall back to the largest divisor
+    # of the input width (576 -> 96).
+    "w4g128-gptq": lambda: Recipe("w4g128-gptq", (_gptq(bits=4),), "GPTQ W4 asymmetric, group 128, act-order"),
+    "w4g128-gptq-sym": lambda: Recipe("w4g128-gptq-sym", (_gptq(bits=4, symmetric=True),),
+                                      "GPTQ W4 symmetric, group 128, act-order"),
+    "w3g128-gptq": lambda: Recipe("w3g128-gptq", (_gptq(bits=3),), "GPTQ W3 asymmetric, group 128, act-order"),
+    "w4g128-awq": lambda: Recipe("w4g128-awq", (_awq(bits=4), _rtn_fit(bits=4)),
+                                 "AWQ scales + clipping, then W4 asymmetric group-128 RTN"),
+    "w4g128-awq-gptq": lambda: Recipe("w4g128-awq-gptq", (_awq(bits=4, clip=False), _gptq(bits=4)),
+                                      "AWQ scales, then GPTQ W4 asymmetric group 128, act-order"),
+    "w3g128-awq": lambda: Recipe("w3g128-awq", (_awq(bits=3), _rtn_fit(bits=3)),
+                                 "AWQ scales + clipping, then W3 asymmetric group-128 RTN"),
 }
+
+
+def _gptq(**kw):
+    from eqjax.methods.gptq import GPTQ  # noqa: PLC0415
+
+    return GPTQ(**kw)
+
+
+def _awq(**kw):
+    from eqjax.methods.awq import AWQ  # noqa: PLC0415
+
+    return AWQ(**kw)
+
+
+def _rtn_fit(**kw):
+    from eqjax.methods.awq import FittedRTN  # noqa: PLC0415
+
+    return FittedRTN(**kw)
 
 
 def recipe_names() -> list[str]:

@@ -1,0 +1,97 @@
+"""AWQ: scale folding keeps the float function; the searched scales/clips beat plain RTN."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqjax.methods.awq import AWQ, fold_map, search_clip, search_scale
+from eqjax.methods.rtn import quantize_by_rules
+from eqjax.models import LlamaConfig, Model
+from eqjax.numerics import QuantSpec, fake_quantize
+from eqjax.qarray import per_group
+from eqjax.recipe import Context, RecipeError
+from eqjax.rules import Rule
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # GQA (4 query heads, 2 kv heads): exercises the v_proj -> o_proj fold with shared scales.
+    model = Model(LlamaConfig(vocab=64, hidden=32, intermediate=64, n_layers=1, n_heads=4, n_kv_heads=2))
+    params = model.init_params(jax.random.key(0), std=0.2)
+    # outlier input channels, as in real LLMs
+    lp = params["layers_0"]
+    params["layers_0"] = {**lp, "attn_norm": {"scale": lp["attn_norm"]["scale"].at[:3].set(20.0)},
+                          "mlp_norm": {"scale": lp["mlp_norm"]["scale"].at[5].set(15.0)}}
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (4, 16), 0, 64), np.int32)
+    return model, params, toks
+
+
+def test_fold_map_gqa():
+    model = Model(LlamaConfig(vocab=8, hidden=16, intermediate=8, n_layers=1, n_heads=4, n_kv_heads=2))
+    lp = model.init_params(jax.random.key(0))["layers_0"]
+    m = fold_map(model, lp, "attn/v_proj", 16)  # hd 4, 2 query heads per kv head
+    assert list(m) == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+
+
+def test_scale_folding_preserves_function(tiny):
+    model, params, toks = tiny
+    step = AWQ(bits=3, group_size=16, clip=False, batch_size=2)
+    out = step(params, Context(model=model, calibration=toks))
+    a, _ = model.apply(params, jnp.asarray(toks))
+    b, _ = model.apply(out, jnp.asarray(toks))
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(out["layers_0"]["attn_norm"]["scale"], params["layers_0"]["attn_norm"]["scale"])
+
+
+def test_awq_then_rtn_beats_rtn(tiny):
+    model, params, toks = tiny
+    rule = (Rule(r".*/kernel", QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")),)
+    ref, _ = model.apply(params, jnp.asarray(toks))
+    rtn, _ = model.apply(quantize_by_rules(params, rule), jnp.asarray(toks))
+    awq_params = AWQ(bits=3, group_size=16, batch_size=2)(params, Context(model=model, calibration=toks))
+    awq, _ = model.apply(quantize_by_rules(awq_params, rule), jnp.asarray(toks))
+    e_rtn = float(jnp.mean((rtn - ref) ** 2))
+    e_awq = float(jnp.mean((awq - ref) ** 2))
+    assert e_awq < e_rtn, (e_awq, e_rtn)
+
+
+def test_search_scale_and_clip_reduce_layer_error():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 32)).astype(np.float32) * np.where(np.arange(32) < 2, 30.0, 1.0)
+    w = rng.normal(size=(32, 16)).astype(np.float32)
+    h = x.T @ x / len(x)
+    spec = QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")
+    s, r, losses = search_scale([w], np.abs(x).mean(0), h, [spec])
+    assert losses.shape == (20,) and losses.min() <= losses[0]  # r = 0 is plain RTN
+    err = lambda wq: float(np.sum((x @ (w - np.asarray(wq))) ** 2))  # noqa: E731
+    e_rtn = err(fake_quantize(jnp.asarray(w), spec))
+    se = np.asarray(s)[:, None]
+    e_awq = err(np.asarray(fake_quantize(jnp.asarray(w * se), spec)) / se)
+    assert e_awq <= e_rtn
+    wc = search_clip(jnp.asarray(w * se), h / (se * se.T), spec)
+    e_clip = err(np.asarray(fake_quantize(wc, spec)) / se)
+    assert e_clip <= e_awq * (1 + 1e-5)
+
+
+def test_awq_needs_calibration(tiny):
+    model, params, _ = tiny
+    with pytest.raises(RecipeError, match="calibration"):
+        AWQ()(params, Context(model=model, calibration=None))
+
+
+def test_recipes_and_config():
+    from eqjax.methods.awq import FittedRTN
+    from eqjax.methods.gptq import GPTQ
+    from eqjax.recipe import recipe_from_dict
+    from eqjax.recipes import get_recipe
+
+    r = recipe_from_dict({"name": "x", "steps": [{"method": "awq", "bits": 3, "clip": False},
+                                                 {"method": "gptq", "bits": 3, "act_order": True}]})
+    assert isinstance(r.steps[0], AWQ) and r.steps[0].bits == 3 and isinstance(r.steps[1], GPTQ)
+    with pytest.raises(RecipeError, match="unknown 'gptq' key"):
+        recipe_from_dict({"name": "x", "steps": [{"method": "gptq", "bitz": 3}]})
+    for name in ("w4g128-gptq", "w4g128-gptq-sym", "w3g128-gptq", "w4g128-awq", "w4g128-awq-gptq", "w3g128-awq"):
+        assert get_recipe(name).needs_calibration
+    q = FittedRTN(bits=4)({"l": {"kernel": jnp.ones((576, 8))}})
+    assert q["l"]["kernel"].granularity == per_group(0, 96)

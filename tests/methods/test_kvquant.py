@@ -1,0 +1,185 @@
+"""KVQuant: error bounds, outliers and sinks kept, bytes arithmetic, jit, decode == prefill."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqjax.methods.kvquant import KVQuant, calibrate_kv, kv_apply, kv_bytes, kv_bytes_per_token
+from eqjax.models import LlamaConfig, Model
+from eqjax.recipe import recipe_from_dict
+
+CFG = LlamaConfig(vocab=64, hidden=32, intermediate=48, n_layers=2, n_heads=4, n_kv_heads=2)
+B, T = 2, 12
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Model(CFG)
+    params = model.init_params(jax.random.key(0), std=0.3)
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 64, dtype=jnp.int32)
+    return model, params, tokens
+
+
+def _x(shape=(2, 40, 2, 16), seed=0):
+    x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    x += np.linspace(-3, 3, shape[-1], dtype=np.float32)  # per-channel offsets, as pre-RoPE keys have
+    return jnp.asarray(x)
+
+
+def _step(x, axis):
+    """Per-block scale (hi - lo) / q over ``axis`` for the error bound (float16 rounding slack)."""
+    x = np.asarray(x)
+    return (x.max(axis=axis, keepdims=True) - x.min(axis=axis, keepdims=True))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_key_per_channel_error_bound(bits):
+    k = _x()
+    kq = np.asarray(KVQuant(bits, 16).keys(k))
+    delta = _step(k, 1) / (2**bits - 1)
+    err = np.abs(kq - np.asarray(k))
+    assert (err <= delta / 2 * 1.002 + 1e-3).all()
+    assert np.unique(kq[0, :, 0, 0]).size <= 2**bits
+    assert np.array_equal(np.asarray(KVQuant(16, 16).keys(k)), np.asarray(k))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_value_per_token_error_bound(bits):
+    v = _x(seed=1)
+    vq = np.asarray(KVQuant(16, bits).values(v))
+    delta = _step(v, 3) / (2**bits - 1)
+    assert (np.abs(vq - np.asarray(v)) <= delta / 2 * 1.002 + 1e-3).all()
+
+
+def test_outliers_kept_exactly_and_range_excludes_them():
+    k = np.asarray(_x(), np.float32).copy()
+    k[0, 5, 1, 3] = 500.0  # a huge outlier in one channel
+    kvq = KVQuant(2, 2, outlier_fraction=0.05)
+    kq = np.asarray(kvq.keys(jnp.asarray(k)))
+    assert kq[0, 5, 1, 3] == np.float16(500.0)
+    n_out = int(np.floor(0.05 * 40 + 0.5))
+    exact = kq == k.astype(np.float16).astype(np.float32)
+    # every channel keeps at least n_out entries exactly; the rest obey the bound of the reduced range
+    assert (exact.sum(axis=1) >= n_out).all()
+    mag = np.abs(k)
+    thr = np.sort(mag, axis=1)[:, -n_out][:, None]
+    inl = mag < thr
+    lo = np.where(inl, k, np.inf).min(1, keepdims=True)
+    hi = np.where(inl, k, -np.inf).max(1, keepdims=True)
+    err = np.abs(kq - k)
+    assert (err[inl] <= np.broadcast_to((hi - lo) / 3 / 2 * 1.002 + 1e-3, k.shape)[inl]).all()
+    # channel (0,1,3) without outlier handling would have a step of ~500/3
+    plain = np.asarray(KVQuant(2, 2).keys(jnp.asarray(k)))
+    assert np.abs(plain - k)[0, :, 1, 3].mean() > 4 * np.abs(kq - k)[0, :, 1, 3].mean()
+    v = np.asarray(_x(seed=2)).copy()
+    v[1, 7, 0, 2] = -300.0
+    vq = np.asarray(kvq.values(jnp.asarray(v)))
+    assert vq[1, 7, 0, 2] == np.float16(-300.0)
+
+
+def test_sink_tokens_kept_exactly():
+    k = _x()
+    kvq = KVQuant(2, 2, sink_tokens=2)
+    kq, vq = np.asarray(kvq.keys(k)), np.asarray(kvq.values(k))
+    f16 = np.asarray(k).astype(np.float16).astype(np.float32)
+    for out in (kq, vq):
+        np.testing.assert_array_equal(out[:, :2], f16[:, :2])
+        assert not np.array_equal(out[:, 2:], f16[:, 2:])
+    # bound at a later start: no sink in this call
+    later = np.asarray(kvq.bind(0, start=5).keys(k))
+    assert not np.array_equal(later[:, :2], f16[:, :2])
+
+
+def test_bytes_per_token_arithmetic():
+    L, H, hd = CFG.n_layers, CFG.n_kv_heads, CFG.head_dim
+    C = H * hd
+    assert kv_bytes(CFG, None, 100) == L * 2 * 100 * C * 2
+    # K4 V4, no outliers: codes + key (lo, scale) per channel + value (lo, scale) per token and head
+    want = L * (100 * C // 2 + C * 4 + 100 * C // 2 + 100 * H * 4)
+    assert kv_bytes(CFG, KVQuant(4, 4), 100) == want
+    # 10% outliers (C = 16): keys round(0.1*100)=10 per channel, values round(0.1*16)=2 per token;
+    # 4 bytes each (float16 value + int16 index)
+    want_o = L * (100 * C // 2 + C * 4 + 10 * C * 4 + 100 * C // 2 + 100 * H * 4 + 100 * 2 * 4)
+    assert kv_bytes(CFG, KVQuant(4, 4, outlier_fraction=0.1), 100) == want_o
+    # a sink token: float16 entries instead of codes
+    want_s = L * (2 * C + 99 * C // 2 + C * 4 + 2 * C + 99 * C // 2 + 99 * H * 4)
+    assert kv_bytes(CFG, KVQuant(4, 4, sink_tokens=1), 100) == want_s
+    assert kv_bytes_per_token(CFG, KVQuant(4, 4), seq_len=100) == want / 100
+    # SmolLM2-135M shapes (30 layers, 3 kv heads of 64): float16 23040 B/token
+    smol = LlamaConfig(vocab=64, hidden=576, intermediate=1536, n_layers=30, n_heads=9, n_kv_heads=3)
+    assert kv_bytes_per_token(smol, None) == 30 * 2 * 192 * 2
+    assert kv_bytes_per_token(smol, KVQuant(4, 4)) == 30 * (96 + 96 + 3 * 4 + 192 * 4 / 1024)
+    assert kv_bytes_per_token(smol, KVQuant(2, 2, 0.01)) < kv_bytes_per_token(smol, None) / 5
+
+
+def test_apply_under_jit_and_hashable(tiny):
+    model, params, tokens = tiny
+    apply = jax.jit(model.apply, static_argnames="kv_quant")
+    ref, _ = apply(params, tokens)
+    kvq = KVQuant(4, 4, outlier_fraction=0.02, sink_tokens=1)
+    assert hash(kvq) == hash(KVQuant(4, 4, outlier_fraction=0.02, sink_tokens=1))
+    out, _ = apply(params, tokens, kv_quant=kvq)
+    out8, _ = apply(params, tokens, kv_quant=KVQuant(8, 8))
+    e4 = float(jnp.abs(out - ref).max())
+    e8 = float(jnp.abs(out8 - ref).max())
+    assert np.isfinite(np.asarray(out)).all() and 0 < e8 < e4
+    # kv_apply (layer-bound) equals model.apply for a dynamic quantizer
+    out_b, _ = jax.jit(kv_apply, static_argnums=(0, 3))(model, params, tokens, kvq)
+    np.testing.assert_allclose(np.asarray(out_b), np.asarray(out), atol=1e-5)
+
+
+def test_static_keys_decode_equals_prefill(tiny):
+    model, params, tokens = tiny
+    kvq = calibrate_kv(model, params, tokens, KVQuant(4, 4, outlier_fraction=0.05, sink_tokens=1))
+    assert len(kvq.key_ranges) == CFG.n_layers
+    with pytest.raises(ValueError, match="layer index"):
+        model.apply(params, tokens, kv_quant=kvq)
+    run = jax.jit(kv_apply, static_argnums=(0, 3))
+    full, _ = run(model, params, tokens, kvq)
+    ref, _ = model.apply(params, tokens)
+    assert float(jnp.abs(full - ref).max()) > 0
+    cache = model.init_cache(B, 16)
+    out, cache = run(model, params, tokens[:, :4], kvq, cache=cache)
+    outs = [out]
+    for t in range(4, T):
+        out, cache = run(model, params, tokens[:, t : t + 1], kvq, cache=cache)
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), np.asarray(full), atol=1e-4)
+
+
+def test_from_config_and_recipe():
+    kvq = KVQuant.from_config({"key_bits": 2, "value_bits": 2, "outlier_fraction": 0.01})
+    assert kvq == KVQuant(2, 2, 0.01)
+    r = recipe_from_dict({"name": "x", "steps": [], "kv": {"bits": 3, "sink_tokens": 1}})
+    assert r.kv == KVQuant(3, 3, 0.0, 1)
+    with pytest.raises(ValueError, match="unknown kv"):
+        KVQuant.from_config({"kbits": 2})
+    with pytest.raises(ValueError, match="2..8"):
+        KVQuant(1, 4)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from eqjax import data
+    from eqjax.io.gguf import load_gguf
+
+    cfg, params, tok = load_gguf()
+    _, ev_ids = data.wikipedia_tokens(tok)
+    return Model(cfg), params, data.token_windows(ev_ids, 512)[:2]
+
+
+@pytest.mark.slow
+def test_smollm2_kv_perplexity(smollm2):
+    """2 windows x 512 of the evaluation text: kv8 ~ FP, kv4 within 10 %, outliers help at 2 bits."""
+    from eqjax.evaluate import perplexity
+
+    model, params, ev = smollm2
+    ppl = {name: perplexity(model, params, ev, kv_quant=kvq).ppl for name, kvq in {
+        "fp": None, "kv8": KVQuant(8, 8), "kv4": KVQuant(4, 4),
+        "kv2": KVQuant(2, 2), "kv2o": KVQuant(2, 2, 0.01)}.items()}
+    assert ppl["kv8"] < ppl["fp"] * 1.01, ppl
+    assert ppl["kv4"] < ppl["fp"] * 1.10, ppl
+    assert ppl["kv2o"] < ppl["kv2"], ppl

@@ -158,8 +158,10 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
         "peak_rss_mb": peak_rss_mb(),
         "calib_windows": int(setup.calib_windows.shape[0]) if recipe.needs_calibration else 0,
     }
-    if recipe.kv is not None and hasattr(recipe.kv, "bytes_per_token"):
-        row["kv_bytes_per_token"] = recipe.kv.bytes_per_token(setup.model.config)
+    if recipe.kv is not None:
+        from eqjax.methods.kvquant import kv_bytes_per_token  # noqa: PLC0415
+
+        row["kv_bytes_per_token"] = kv_bytes_per_token(setup.model.config, recipe.kv)
     if keep_params:
         row["_params"] = qparams
     return row

@@ -116,7 +116,6 @@ STEP_TYPES: dict[str, str] = {
     "rtn": "eqjax.methods.rtn:RTN",
     "gptq": "eqjax.methods.gptq:GPTQ",
     "awq": "eqjax.methods.awq:AWQ",
-    "rtn-fit": "eqjax.methods.awq:FittedRTN",
     "smoothquant": "eqjax.methods.smoothquant:SmoothQuant",
     "zeroquant_lkd": "eqjax.methods.lkd:ZeroQuantLKD",
 }

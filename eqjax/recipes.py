@@ -64,7 +64,7 @@ def _lkd(name: str, bits: int) -> Recipe:
 def _kv(name: str, description: str, kb: int, vb: int, outliers: float = 0.0) -> Recipe:
     from eqjax.methods.kvquant import KVQuant  # noqa: PLC0415
 
-    return Recipe(name, (), description, kv=KVQuant(kb, vb, outliers))
+    return Recipe(name, (), description, kv=KVQuant(kb, vb, outliers, sink_tokens=1, key_group=32, value_group=32))
 
 
 RECIPES: dict[str, Callable[[], Recipe]] = {
@@ -89,21 +89,24 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w8a8-smoothquant-search": lambda: _smoothquant("w8a8-smoothquant-search", 0.85, search=True),
     "w8a8-zeroquant-lkd": lambda: _lkd("w8a8-zeroquant-lkd", 8),
     "w4a8-zeroquant-lkd": lambda: _lkd("w4a8-zeroquant-lkd", 4),
-    "kv8": lambda: _kv("kv8", "KV cache int8 (keys per channel pre-RoPE, values per token); weights float", 8, 8),
-    "kv4": lambda: _kv("kv4", "KV cache int4 (keys per channel pre-RoPE, values per token); weights float", 4, 4),
-    "kv3-outliers": lambda: _kv("kv3-outliers", "KV cache int3 + 1% float16 outliers; weights float", 3, 3, 0.01),
-    "kv2-outliers": lambda: _kv("kv2-outliers", "KV cache int2 + 1% float16 outliers; weights float", 2, 2, 0.01),
-    # GPTQ / AWQ (eqjax.methods.gptq, eqjax.methods.awq): groups of 128 fall back to the largest divisor
-    # of the input width (576 -> 96).
+    # KV cache (KIVI/KVQuant-style groups): keys per channel pre-RoPE in blocks of 32 tokens, values per
+    # token in groups of 32 channels, float16 ranges; the first token (attention sink) kept in float16.
+    "kv8": lambda: _kv("kv8", "KV cache int8 (keys per channel pre-RoPE, values per token, groups of 32, sink kept); weights float", 8, 8),
+    "kv4": lambda: _kv("kv4", "KV cache int4 (keys per channel pre-RoPE, values per token, groups of 32, sink kept) + 1% float16 outliers; weights float", 4, 4, 0.01),
+    "kv3-outliers": lambda: _kv("kv3-outliers", "KV cache int3, groups of 32, sink kept, + 1% float16 outliers; weights float", 3, 3, 0.01),
+    "kv2": lambda: _kv("kv2", "KV cache int2, groups of 32, sink kept, no outliers; weights float", 2, 2),
+    "kv2-outliers": lambda: _kv("kv2-outliers", "KV cache int2, groups of 32, sink kept, + 1% float16 outliers; weights float", 2, 2, 0.01),
+    # GPTQ / AWQ (eqjax.methods.gptq, eqjax.methods.awq): groups of 128 with a short last group where 128
+    # does not divide the input width (576 = 4 x 128 + 64), the same layout as the RTN recipes.
     "w4g128-gptq": lambda: Recipe("w4g128-gptq", (_gptq(bits=4),), "GPTQ W4 asymmetric, group 128, act-order"),
     "w4g128-gptq-sym": lambda: Recipe("w4g128-gptq-sym", (_gptq(bits=4, symmetric=True),),
                                       "GPTQ W4 symmetric, group 128, act-order"),
     "w3g128-gptq": lambda: Recipe("w3g128-gptq", (_gptq(bits=3),), "GPTQ W3 asymmetric, group 128, act-order"),
-    "w4g128-awq": lambda: Recipe("w4g128-awq", (_awq(bits=4), _rtn_fit(bits=4)),
+    "w4g128-awq": lambda: Recipe("w4g128-awq", (_awq(bits=4), RTN((weight_rule(4, symmetric=False, group=128),))),
                                  "AWQ scales + clipping, then W4 asymmetric group-128 RTN"),
     "w4g128-awq-gptq": lambda: Recipe("w4g128-awq-gptq", (_awq(bits=4, clip=False), _gptq(bits=4)),
                                       "AWQ scales, then GPTQ W4 asymmetric group 128, act-order"),
-    "w3g128-awq": lambda: Recipe("w3g128-awq", (_awq(bits=3), _rtn_fit(bits=3)),
+    "w3g128-awq": lambda: Recipe("w3g128-awq", (_awq(bits=3), RTN((weight_rule(3, symmetric=False, group=128),))),
                                  "AWQ scales + clipping, then W3 asymmetric group-128 RTN"),
 }
 
@@ -118,12 +121,6 @@ def _awq(**kw):
     from eqjax.methods.awq import AWQ  # noqa: PLC0415
 
     return AWQ(**kw)
-
-
-def _rtn_fit(**kw):
-    from eqjax.methods.awq import FittedRTN  # noqa: PLC0415
-
-    return FittedRTN(**kw)
 
 
 def recipe_names() -> list[str]:

@@ -24,7 +24,7 @@ and independent of the number of calibration tokens (the reference measures the 
 output, e.g. the attention output for q/k/v; this is the cheaper per-linear proxy). The next block is
 calibrated on the float model's outputs (reference behaviour). The first ``sink_tokens`` positions
 of every window get ``sink_weight`` in the statistics (see :mod:`eqjax.calibrate`); default: kept.
-Measured on SmolLM2-135M (W4 g128->96 asym, 32 x 512 calibration tokens, 8 x 1024 evaluation tokens;
+Measured on SmolLM2-135M (W4 asym, groups of 96 at the time, 32 x 512 calibration tokens, 8 x 1024 evaluation tokens;
 FP 19.92, RTN 25.28): AWQ -> RTN 23.40 with the first token kept, 23.54 with it excluded.
 """
 
@@ -45,7 +45,7 @@ from eqjax.numerics import QuantSpec, fake_quantize
 from eqjax.pytree import Params, get_path, is_leaf, set_path
 from eqjax.qarray import per_channel, per_group
 
-__all__ = ["AWQ", "FittedRTN", "search_scale", "search_clip", "fold_map", "quant_spec"]
+__all__ = ["AWQ", "search_scale", "search_clip", "fold_map", "quant_spec"]
 
 log = logging.getLogger("eqjax")
 
@@ -266,44 +266,4 @@ class AWQ:
             raise ValueError(f"unknown 'awq' key(s): {sorted(unknown)}; allowed: {sorted(fields)}")
         if "no_clip" in d:
             d["no_clip"] = tuple(d["no_clip"])
-        return cls(**d)
-
-
-@dataclasses.dataclass(frozen=True)
-class FittedRTN:
-    """Round-to-nearest of the float kernels matching ``pattern`` with the group size fitted to each
-    kernel's input width (:func:`~eqjax.methods.gptq.group_size_for`: 576 with 128 -> 96), the
-    quantizer ``AWQ`` assumes. (The plain ``rtn`` step's ``per_group(0, 128)`` rejects width 576.)"""
-
-    bits: int = 4
-    group_size: int | None = 128
-    symmetric: bool = False
-    scale_dtype: str | None = None
-    pattern: str = r".*/kernel"
-    name: str = "rtn-fit"
-    needs_calibration = False
-
-    def __call__(self, params: Params, ctx: Any = None) -> Params:
-        import re  # noqa: PLC0415
-
-        from eqjax.numerics import quantize  # noqa: PLC0415
-        from eqjax.pytree import map_with_path  # noqa: PLC0415
-
-        def one(path: str, leaf: Any) -> Any:
-            if is_leaf(leaf) or not re.fullmatch(self.pattern, path) or getattr(leaf, "ndim", 0) != 2:
-                return leaf
-            if not jnp.issubdtype(leaf.dtype, jnp.floating):
-                return leaf
-            spec = quant_spec(leaf.shape[0], self.bits, self.group_size, self.symmetric, self.scale_dtype)
-            return quantize(leaf, spec, name=path)
-
-        return map_with_path(one, params)
-
-    @classmethod
-    def from_config(cls, d: Mapping[str, Any]) -> "FittedRTN":
-        d = dict(d)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise ValueError(f"unknown 'rtn-fit' key(s): {sorted(unknown)}; allowed: {sorted(fields)}")
         return cls(**d)

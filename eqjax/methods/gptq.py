@@ -22,9 +22,9 @@ point, symmetric ``absmax / (2**(b-1) - 1)``; scales are stored as ``scale_dtype
 layouts, rounded up) and the GPTQ loop uses exactly those scales, so ``dequantize(result)`` equals the
 values GPTQ chose, bit for bit.
 
-Group sizes that do not divide the input width (SmolLM2's 576 with 128) fall back to the largest
-divisor of the width not above the request (:func:`group_size_for`: 576 -> 96), because a QArray's
-groups must tile the axis; the reference would instead leave a 64-wide last group.
+A group size that does not divide the input width (SmolLM2's 576 with 128) leaves a shorter last group
+(576 = 4 x 128 + 64), as the reference does and as the RTN recipes store it, so GPTQ and RTN results
+of the same recipe have the same layout and size.
 """
 
 from __future__ import annotations
@@ -57,19 +57,14 @@ class GPTQWarning(UserWarning):
 
 
 def group_size_for(in_features: int, requested: int | None) -> int | None:
-    """The group size used for an input width: ``requested`` if it divides ``in_features``, else the
-    largest divisor of ``in_features`` below it (576 with 128 -> 96). ``None`` (per-channel) stays None."""
+    """The group size used for an input width: ``requested``, capped at ``in_features`` (a width that
+    ``requested`` does not divide gets a shorter last group). ``None`` (per-channel) stays None."""
     if requested is None:
         return None
     requested = int(requested)
     if requested < 1:
         raise ValueError(f"group size must be >= 1, got {requested}")
-    if requested >= in_features:
-        return in_features
-    for g in range(requested, 0, -1):
-        if in_features % g == 0:
-            return g
-    return 1  # pragma: no cover - 1 always divides
+    return min(requested, int(in_features))
 
 
 def hessian_cholesky(
@@ -172,7 +167,7 @@ def _gptq_core(W, U, perm, *, bits: int, symmetric: bool, group_size: int | None
     """
     n_out, n_in = W.shape
     G = group_size
-    n_groups = 1 if G is None else n_in // G
+    n_groups = 1 if G is None else -(-n_in // G)  # a short last group when G does not divide
 
     def grid(wcols):
         lo, hi = _range(wcols, symmetric)
@@ -228,8 +223,8 @@ def gptq_quantize(
 ) -> QArray:
     """GPTQ-quantize one ``[in, out]`` kernel given ``H [in, in]`` (any positive multiple of ``X^T X``).
 
-    ``group_size`` groups along ``in`` (``None``: one scale per output channel); it must divide ``in``
-    (see :func:`group_size_for`). Act-order with groups implies static groups. ``scale_dtype``
+    ``group_size`` groups along ``in`` (``None``: one scale per output channel); when it does not divide
+    ``in`` the last group is shorter. Act-order with groups implies static groups. ``scale_dtype``
     defaults to float16 for groups and float32 per channel (as the RTN recipes). Returns a QArray
     (``per_group(0, G)`` or ``per_channel(1)``) whose dequantization is exactly GPTQ's result.
     """
@@ -240,8 +235,8 @@ def gptq_quantize(
     h = np.array(hessian, np.float64)
     if h.shape != (n_in, n_in):
         raise ValueError(f"{name}: Hessian shape {h.shape} does not match the kernel's input width {n_in}")
-    if group_size is not None and n_in % group_size:
-        raise QArrayError(f"{name}: group size {group_size} does not divide the input width {n_in}")
+    if group_size is not None and not 1 <= group_size <= n_in:
+        raise QArrayError(f"{name}: group size {group_size} must be in 1..{n_in} (the input width)")
     if blocksize < 1:
         raise ValueError(f"{name}: blocksize must be >= 1")
     G = group_size
@@ -281,7 +276,7 @@ class GPTQ:
     one after another, each calibrated with the earlier groups already quantized (one extra pass per
     group). The first ``sink_tokens`` positions of every calibration window get ``sink_weight`` in the
     Hessian (see :mod:`eqjax.calibrate`). Default: keep them (``sink_tokens=0``). Measured on
-    SmolLM2-135M (W4 g128->96 asym act-order, 32 x 512 calibration tokens, 8 x 1024 evaluation tokens;
+    SmolLM2-135M (W4 asym act-order, groups of 96 at the time, 32 x 512 calibration tokens, 8 x 1024 evaluation tokens;
     FP 19.92, RTN 25.28): first token kept 24.28, first token excluded 28.30. Excluding it lets GPTQ
     push its compensation into the few channels that carry the sink's huge activation, and the sink
     token (attended by every later token) then breaks.
@@ -327,8 +322,6 @@ class GPTQ:
 
     def quantize_kernel(self, kernel: Any, hessian: Any, name: str) -> QArray:
         g = group_size_for(kernel.shape[0], self.group_size)
-        if g != self.group_size and self.group_size is not None:
-            log.info("gptq: %s: group size %d does not divide %d; using %d", name, self.group_size, kernel.shape[0], g)
         return gptq_quantize(
             kernel, hessian, bits=self.bits, group_size=g, symmetric=self.symmetric, act_order=self.act_order,
             static_groups=self.static_groups, percdamp=self.percdamp, blocksize=self.blocksize,

@@ -88,15 +88,35 @@ def _topk_mask(mag: jax.Array, k: int, axis: int) -> jax.Array:
 
 
 def kv_fake_quant_channels(
-    x: jax.Array, bits: int, *, n_outliers: int = 0, keep: jax.Array | None = None
+    x: jax.Array, bits: int, *, n_outliers: int = 0, keep: jax.Array | None = None, group: int | None = None
 ) -> jax.Array:
     """Fake-quantize ``x [B, T, H, hd]`` per channel (one range per (B, H, hd) over T).
 
     ``keep [T]`` marks tokens kept in float16 (sinks; excluded from the range); the ``n_outliers``
-    largest-magnitude non-kept entries of each channel are kept in float16 too.
+    largest-magnitude non-kept entries of each channel (over all T) are kept in float16 too.
+    ``group``: one range per block of ``group`` consecutive tokens instead of one over T (the last
+    block may be shorter), computed without the kept entries.
     """
+    B, T, H, hd = x.shape
+    keep_b = None if keep is None else keep[None, :, None, None]
+    if group is None or T <= group:
+        return _channels(x, bits, n_outliers, keep_b)
+    # Outliers are chosen per channel over all T; each block's range then excludes them.
+    exact = jnp.zeros(x.shape, bool) if keep_b is None else jnp.broadcast_to(keep_b, x.shape)
+    if n_outliers > 0:
+        exact = exact | _topk_mask(jnp.where(exact, -1.0, jnp.abs(x.astype(jnp.float32))), n_outliers, axis=1)
+    nb = -(-T // group)
+    pad = nb * group - T
+    xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    ep = jnp.pad(exact, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=True)  # padding: not in ranges
+    yb = _channels(xp.reshape(B * nb, group, H, hd), bits, 0, ep.reshape(B * nb, group, H, hd))
+    return yb.reshape(B, nb * group, H, hd)[:, :T]
+
+
+def _channels(x: jax.Array, bits: int, n_outliers: int, keep: jax.Array | None) -> jax.Array:
+    """Per-channel fake quantization over axis 1; ``keep`` broadcasts to ``x`` (True = float16)."""
     xf = x.astype(jnp.float32)
-    keep_b = jnp.zeros(xf.shape, bool) if keep is None else jnp.broadcast_to(keep[None, :, None, None], xf.shape)
+    keep_b = jnp.zeros(xf.shape, bool) if keep is None else jnp.broadcast_to(keep, xf.shape)
     mag = jnp.where(keep_b, -1.0, jnp.abs(xf))
     out = _topk_mask(mag, n_outliers, axis=1)
     exact = keep_b | out
@@ -135,6 +155,10 @@ class KVQuant:
       key_bits, value_bits: 2..8 (16 keeps that side in float).
       outlier_fraction: fraction of entries kept in float16 (dense-and-sparse); 0 disables.
       sink_tokens: the first positions kept in float16 (attention sinks).
+      key_group: dynamic keys get one range per channel per block of this many tokens (None: one
+        range over the call's tokens).
+      value_group: values get one range per token per this many channels (must divide head_dim;
+        None: one per kv head).
       key_ranges: static per-layer per-channel key ranges ``((lo..., hi...), ...)`` (one
         ``(tuple[Hkv*hd], tuple[Hkv*hd])`` per layer) from :func:`calibrate_kv`; None = dynamic.
       layer: the bound layer index (set by :meth:`bind`), else None.
@@ -145,6 +169,8 @@ class KVQuant:
     value_bits: int = 4
     outlier_fraction: float = 0.0
     sink_tokens: int = 0
+    key_group: int | None = None
+    value_group: int | None = None
     key_ranges: tuple | None = dataclasses.field(default=None, repr=False)
     layer: int | None = None
     start: Any = 0
@@ -158,20 +184,25 @@ class KVQuant:
             raise ValueError(f"KVQuant outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
         if self.sink_tokens < 0:
             raise ValueError(f"KVQuant sink_tokens must be >= 0, got {self.sink_tokens}")
+        for side, g in (("key_group", self.key_group), ("value_group", self.value_group)):
+            if g is not None and not (isinstance(g, (int, np.integer)) and g >= 1):
+                raise ValueError(f"KVQuant {side} must be a positive int or None, got {g!r}")
 
     # ------------------------------------------------------------------ config
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "KVQuant":
         """From a recipe file's ``kv`` table: ``{key_bits, value_bits, outlier_fraction?, sink_tokens?}``."""
         d = dict(d)
-        known = {"key_bits", "value_bits", "bits", "outlier_fraction", "sink_tokens"}
+        known = {"key_bits", "value_bits", "bits", "outlier_fraction", "sink_tokens", "key_group", "value_group"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown kv key(s) {sorted(unknown)}; allowed: {sorted(known)}")
         bits = d.pop("bits", None)
         kb = int(d.pop("key_bits", bits if bits is not None else 4))
         vb = int(d.pop("value_bits", bits if bits is not None else 4))
-        return cls(kb, vb, float(d.pop("outlier_fraction", 0.0)), int(d.pop("sink_tokens", 0)))
+        kg, vg = d.pop("key_group", None), d.pop("value_group", None)
+        return cls(kb, vb, float(d.pop("outlier_fraction", 0.0)), int(d.pop("sink_tokens", 0)),
+                   key_group=None if kg is None else int(kg), value_group=None if vg is None else int(vg))
 
     def bind(self, layer: int, start: Any = 0) -> "KVQuant":
         """This quantizer for layer ``layer`` with the call's first token at position ``start``."""
@@ -198,7 +229,7 @@ class KVQuant:
         keep = self._keep(T)
         if self.key_ranges is None:
             n_out = _n_out(self.outlier_fraction, T - min(self.sink_tokens, T) if keep is not None else T)
-            return kv_fake_quant_channels(k, self.key_bits, n_outliers=n_out, keep=keep)
+            return kv_fake_quant_channels(k, self.key_bits, n_outliers=n_out, keep=keep, group=self.key_group)
         if self.layer is None:
             raise ValueError(
                 "KVQuant with static (calibrated) key ranges needs a layer index: use kv_apply(...) or "
@@ -223,18 +254,24 @@ class KVQuant:
         """Fake-quantized values ``[B, T, Hkv, hd]`` (per token and kv head)."""
         if self.value_bits == 16:
             return v
-        H, hd = v.shape[2:]
-        return _fake_quant_tokens(
-            v, self.value_bits, n_outliers=_n_out(self.outlier_fraction, H * hd), keep=self._keep(v.shape[1])
+        B, T, H, hd = v.shape
+        g = hd if self.value_group is None else self.value_group
+        if hd % g:
+            raise ValueError(f"KVQuant value_group {g} must divide the head dim {hd}")
+        vq = _fake_quant_tokens(
+            v.reshape(B, T, H * hd // g, g), self.value_bits, n_outliers=_n_out(self.outlier_fraction, H * hd),
+            keep=self._keep(T),
         )
+        return vq.reshape(v.shape)
 
 
 # ---------------------------------------------------------------------- bytes
 def kv_bytes(config: Any, kvq: KVQuant | None, seq_len: int) -> int:
     """Exact bytes of one sequence's KV cache of ``seq_len`` tokens, all layers, as stored.
 
-    Per layer: codes (``bits/8`` per entry, packed), values' float16 (lo, scale) per (token, kv head);
-    dynamic keys' float16 (lo, scale) per (kv head, channel) per sequence; static keys' per-layer
+    Per layer: codes (``bits/8`` per entry, packed), values' float16 (lo, scale) per (token, kv head)
+    or per (token, ``value_group`` channels); dynamic keys' float16 (lo, scale) per (kv head, channel)
+    per sequence or per block of ``key_group`` tokens (outliers per block); static keys' per-layer
     ranges (counted once, in the sequence's total); sink tokens as float16 entries (no codes);
     each outlier as a float16 value + an int16 index (token index for key outliers, channel index for
     value outliers; counts per channel/token are fixed, so no row pointers). Static keys' outliers are
@@ -254,7 +291,10 @@ def kv_bytes(config: Any, kvq: KVQuant | None, seq_len: int) -> int:
         per_layer += seq_len * C * 2
     else:
         per_layer += sink * C * 2 + math.ceil(Tq * C * kvq.key_bits / 8)
-        per_layer += C * 2 * 2  # (lo, scale) per channel: per sequence (dynamic) or per layer (static)
+        # (lo, scale) per channel: per sequence or per block of key_group tokens (dynamic), per layer (static)
+        kg = seq_len if kvq.is_static or kvq.key_group is None else min(kvq.key_group, seq_len)
+        n_blocks = -(-seq_len // kg)
+        per_layer += n_blocks * C * 2 * 2
         if kvq.outlier_fraction > 0:
             n = _n_out(kvq.outlier_fraction, Tq) * C if not kvq.is_static else kvq.outlier_fraction * Tq * C
             per_layer += n * (2 + 2)
@@ -263,7 +303,7 @@ def kv_bytes(config: Any, kvq: KVQuant | None, seq_len: int) -> int:
         per_layer += seq_len * C * 2
     else:
         per_layer += sink * C * 2 + math.ceil(Tq * C * kvq.value_bits / 8)
-        per_layer += Tq * H * 2 * 2
+        per_layer += Tq * (C // (kvq.value_group or hd)) * 2 * 2  # (lo, scale) per token per value group
         per_layer += Tq * _n_out(kvq.outlier_fraction, C) * (2 + 2)
     return int(round(L * per_layer))
 

@@ -81,7 +81,6 @@ def test_awq_needs_calibration(tiny):
 
 
 def test_recipes_and_config():
-    from eqjax.methods.awq import FittedRTN
     from eqjax.methods.gptq import GPTQ
     from eqjax.recipe import recipe_from_dict
     from eqjax.recipes import get_recipe
@@ -93,5 +92,8 @@ def test_recipes_and_config():
         recipe_from_dict({"name": "x", "steps": [{"method": "gptq", "bitz": 3}]})
     for name in ("w4g128-gptq", "w4g128-gptq-sym", "w3g128-gptq", "w4g128-awq", "w4g128-awq-gptq", "w3g128-awq"):
         assert get_recipe(name).needs_calibration
-    q = FittedRTN(bits=4)({"l": {"kernel": jnp.ones((576, 8))}})
-    assert q["l"]["kernel"].granularity == per_group(0, 96)
+    # AWQ's assumed quantizer is exactly the RTN step that follows it in the recipes (576 = 4 x 128 + 64).
+    from eqjax.methods.awq import quant_spec
+
+    rtn_spec = get_recipe("w4g128-awq").steps[1].rules[0].weight
+    assert quant_spec(576, 4, 128, False) == rtn_spec

@@ -73,9 +73,11 @@ def _reference_gptq(w, h, bits, G, sym, act_order, percdamp=0.01, blocksize=16):
     return Q[:, np.argsort(perm)].T
 
 
-@pytest.mark.parametrize("sym,act_order,G", [(False, True, 16), (True, False, 16), (False, False, None), (False, False, 32)])
-def test_gptq_beats_rtn_and_is_exact(sym, act_order, G):
-    x, w = _layer()
+@pytest.mark.parametrize("sym,act_order,G,n_in", [(False, True, 16, 64), (True, False, 16, 64), (False, False, None, 64),
+                                                 (False, False, 32, 64), (False, True, 32, 80), (True, False, 32, 80)])
+def test_gptq_beats_rtn_and_is_exact(sym, act_order, G, n_in):
+    """n_in 80 with G 32: a short last group of 16 (as SmolLM2's 576 with 128)."""
+    x, w = _layer(n_in=n_in)
     h = 2 * x.T.astype(np.float64) @ x / len(x)
     q = gptq_quantize(w, h, bits=4, group_size=G, symmetric=sym, act_order=act_order, blocksize=16)
     validate(q)
@@ -114,7 +116,7 @@ def test_non_pd_hessian_retries_and_warns():
 
 
 def test_group_size_for():
-    assert group_size_for(576, 128) == 96
+    assert group_size_for(576, 128) == 128
     assert group_size_for(1536, 128) == 128
     assert group_size_for(64, 128) == 64
     assert group_size_for(576, None) is None
@@ -135,10 +137,10 @@ def test_step_on_tiny_llama_quantizes_every_linear():
     model = Model(LlamaConfig(vocab=64, hidden=48, intermediate=96, n_layers=1, n_heads=4, n_kv_heads=2))
     params = model.init_params(jax.random.key(0))
     toks = np.asarray(jax.random.randint(jax.random.key(1), (3, 12), 0, 64), np.int32)
-    step = GPTQ(bits=4, group_size=32, batch_size=2)  # 48 % 32 -> 24-wide groups; 96 -> 32
+    step = GPTQ(bits=4, group_size=32, batch_size=2)  # width 48: groups of 32 + 16; width 96: 3 x 32
     out = step(params, Context(model=model, calibration=toks))
     k = out["layers_0"]["attn"]["q_proj"]["kernel"]
-    assert k.granularity == per_group(0, 24) and k.scale.dtype == jnp.float16
+    assert k.granularity == per_group(0, 32) and k.scale.shape == (2, 48) and k.scale.dtype == jnp.float16
     assert out["layers_0"]["mlp"]["down_proj"]["kernel"].granularity == per_group(0, 32)
     logits, _ = model.apply(out, jnp.asarray(toks))
     assert np.all(np.isfinite(np.asarray(logits)))
@@ -152,8 +154,8 @@ def test_smollm2_gptq_w4_beats_rtn():
     from eqjax import data
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import load_gguf
-    from eqjax.methods.awq import FittedRTN
     from eqjax.models import Model
+    from eqjax.recipes import get_recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)
@@ -162,7 +164,7 @@ def test_smollm2_gptq_w4_beats_rtn():
     ev = data.token_windows(ev_ids, 1024, 4)
     ppl = lambda p: float(getattr(perplexity(model, p, ev), "ppl"))  # noqa: E731
     q = GPTQ(bits=4)(params, Context(model=model, calibration=cal))
-    assert ppl(q) < ppl(FittedRTN(bits=4)(params))
+    assert ppl(q) < ppl(get_recipe("w4g128-rtn").steps[0](params))
 
 
 def test_stored_qarray_is_exactly_gptq_choice():

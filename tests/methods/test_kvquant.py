@@ -183,3 +183,44 @@ def test_smollm2_kv_perplexity(smollm2):
     assert ppl["kv8"] < ppl["fp"] * 1.01, ppl
     assert ppl["kv4"] < ppl["fp"] * 1.10, ppl
     assert ppl["kv2o"] < ppl["kv2"], ppl
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_grouped_keys_and_values_error_bounds(bits):
+    """key_group: one range per channel per block of tokens (short last block); value_group: per token
+    per block of channels. Each entry obeys the bound of its own block."""
+    k = np.asarray(_x(shape=(2, 40, 2, 16), seed=3))
+    kq = np.asarray(KVQuant(bits, 16, key_group=16).keys(jnp.asarray(k)))
+    for s in (slice(0, 16), slice(16, 32), slice(32, 40)):
+        blk = k[:, s]
+        delta = _step(blk, 1) / (2**bits - 1)
+        assert (np.abs(kq[:, s] - blk) <= delta / 2 * 1.002 + 1e-3).all()
+    whole = np.abs(np.asarray(KVQuant(bits, 16).keys(jnp.asarray(k))) - k).mean()
+    assert np.abs(kq - k).mean() < whole
+    vq = np.asarray(KVQuant(16, bits, value_group=4).values(jnp.asarray(k)))
+    blocks = k.reshape(2, 40, 2, 4, 4)
+    delta = (_step(blocks, 4) / (2**bits - 1)).repeat(4, axis=4).reshape(k.shape)
+    assert (np.abs(vq - k) <= delta / 2 * 1.002 + 1e-3).all()
+    with pytest.raises(ValueError, match="value_group"):
+        KVQuant(4, 4, value_group=5).values(jnp.asarray(k))
+
+
+def test_grouped_keys_outliers_over_the_whole_sequence_and_sinks():
+    k = np.asarray(_x(shape=(1, 40, 1, 4), seed=4)).copy()
+    k[0, 20, 0, 1] = 400.0
+    kvq = KVQuant(2, 2, outlier_fraction=0.05, sink_tokens=1, key_group=8)  # 2 outliers per channel over T
+    kq = np.asarray(kvq.keys(jnp.asarray(k)))
+    f16 = k.astype(np.float16).astype(np.float32)
+    assert kq[0, 20, 0, 1] == f16[0, 20, 0, 1]
+    np.testing.assert_array_equal(kq[:, 0], f16[:, 0])
+    # the outlier's block (16..23) keeps a fine grid for its other entries
+    blk = np.delete(k[0, 16:24, 0, 1], 4)
+    assert np.abs(np.delete(kq[0, 16:24, 0, 1], 4) - blk).max() <= (blk.max() - blk.min()) / 3 / 2 * 1.002 + 1e-3
+
+
+def test_grouped_bytes():
+    C, H, L = CFG.n_kv_heads * CFG.head_dim, CFG.n_kv_heads, CFG.n_layers
+    # keys: (lo, scale) per channel per block of 32 tokens (4 blocks for 100); values per 4 channels
+    want = L * (100 * C // 2 + 4 * C * 4 + 100 * C // 2 + 100 * (C // 4) * 4)
+    assert kv_bytes(CFG, KVQuant(4, 4, key_group=32, value_group=4), 100) == want
+    assert KVQuant.from_config({"bits": 4, "key_group": 32, "value_group": 4}) == KVQuant(4, 4, key_group=32, value_group=4)

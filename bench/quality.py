@@ -1,0 +1,188 @@
+"""Quality of every recipe on SmolLM2 + Wikipedia under one protocol; writes bench/results/quality.{json,md}.
+
+Each recipe runs as ``eqjax eval`` in its own process, so its wall time and peak RSS are its own.
+Results are appended to the JSON as they finish (a re-run skips rows already measured under the same
+protocol), so a partial run still gives a true, smaller table. Targets are checked against the
+measured figures and printed as met / NOT met.
+
+Usage: python bench/quality.py [--eval-tokens 32768] [--calib-windows 128] [--only a,b] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+MAIN = [
+    "fp", "w8", "w8-absmax", "w8a8-naive", "w8a8-naive-tensor", "w8a8-smoothquant", "w8a8-smoothquant-a0.5",
+    "w8a8-zeroquant", "w8a8-zeroquant-lkd", "w4g128-rtn-sym", "w4g128-rtn", "w4g128-gptq-sym", "w4g128-gptq",
+    "w4g128-awq", "w4g128-awq-gptq", "w3g128-rtn", "w3g128-gptq", "w3g128-awq", "kv8", "kv4", "kv2",
+    "kv2-outliers",
+]
+SWEEP = {"w8a8-smoothquant": (16, 32, 64, 128), "w4g128-gptq": (16, 32, 64, 128)}
+
+
+def _key(row: dict) -> str:
+    return f"{row['recipe']}@{row.get('calib_windows', 0)}"
+
+
+def run_one(recipe: str, args: argparse.Namespace, calib: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = pathlib.Path(d) / "row.json"
+        cmd = [sys.executable, "-m", "eqjax.cli", "eval", "--recipe", recipe, "--eval-tokens", str(args.eval_tokens),
+               "--ctx", str(args.ctx), "--calib-windows", str(calib), "--calib-ctx", str(args.calib_ctx),
+               "--json", str(out)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            return {"recipe": recipe, "error": (proc.stderr or proc.stdout)[-800:], "calib_windows": calib}
+        row = json.loads(out.read_text())
+        row["process_seconds"] = wall
+        return row
+
+
+def _load(path: pathlib.Path, protocol: dict) -> list[dict]:
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    if data.get("protocol") != protocol:
+        return []
+    return data["rows"]
+
+
+def _gap_closed(rows: dict, method: str, base: str, fp: float) -> float | None:
+    if method not in rows or base not in rows:
+        return None
+    b = rows[base]["ppl"]
+    if b <= fp:
+        return None
+    return 100.0 * (b - rows[method]["ppl"]) / (b - fp)
+
+
+def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for each target of issue 4 that the rows can answer."""
+    by = {r["recipe"]: r for r in rows if "ppl" in r and r.get("calib_windows", 0) in (0, MAIN_CALIB)}
+    if "fp" not in by:
+        return []
+    fp = by["fp"]["ppl"]
+    out: list[tuple[str, str, bool | None]] = []
+
+    def rel(name: str, limit: float, label: str) -> None:
+        if name in by:
+            d = 100.0 * (by[name]["ppl"] / fp - 1)
+            out.append((label, f"{d:+.2f} %", d <= limit))
+
+    rel("w8", 0.3, "W8 per-channel weight-only <= FP + 0.3 %")
+    rel("w8a8-smoothquant", 1.0, "W8A8 SmoothQuant <= FP + 1.0 %")
+    rel("kv4", 1.0, "KV int4 <= FP + 1 %")
+    rel("kv2-outliers", 8.0, "KV int2 with 1 % outliers <= FP + 8 %")
+    for method, base, need, label in [
+        ("w4g128-gptq-sym", "w4g128-rtn-sym", 50, "W4 g128 symmetric: GPTQ closes >= 50 % of RTN's gap"),
+        ("w4g128-gptq", "w4g128-rtn", 40, "W4 g128 asymmetric: GPTQ closes >= 40 % of RTN's gap"),
+        ("w3g128-gptq", "w3g128-rtn", 75, "W3 g128 asymmetric: GPTQ closes >= 75 % of RTN's gap"),
+    ]:
+        g = _gap_closed(by, method, base, fp)
+        if g is not None:
+            out.append((label, f"{g:.1f} %", g >= need))
+    best = [(n, _gap_closed(by, n, "w4g128-rtn", fp)) for n in ("w4g128-gptq", "w4g128-awq", "w4g128-awq-gptq")]
+    best = [(n, g) for n, g in best if g is not None]
+    if best:
+        n, g = max(best, key=lambda t: t[1])
+        out.append(("best W4 g128 asymmetric closes >= 60 % of RTN's gap", f"{g:.1f} % ({n})", g >= 60))
+    return out
+
+
+MAIN_CALIB = 128
+_KV_FLOATS_PER_TOKEN = 30 * 2 * 3 * 64  # SmolLM2: layers x (K, V) x kv heads x head dim, for float32 rows
+
+
+def markdown(rows: list[dict], protocol: dict) -> str:
+    ok = [r for r in rows if "ppl" in r]
+    fp = next((r["ppl"] for r in ok if r["recipe"] == "fp"), None)
+    lines = [
+        "| recipe | calib | W | A | KV | KV B/token | ppl | vs FP | size MB | quantize s | process s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ok:
+        d = "—" if fp is None else f"{100 * (r['ppl'] / fp - 1):+.2f} %"
+        lines.append(
+            f"| {r['recipe']} | {r.get('calib_windows', 0)} | {r['w_bits']} | {r['a_bits']} | {r['kv_bits']} | "
+            f"{r.get('kv_bytes_per_token', 4 * _KV_FLOATS_PER_TOKEN):.0f} | "
+            f"{r['ppl']:.3f} | {d} | {r['size_mb']:.1f} | {r['quantize_seconds']:.1f} | "
+            f"{r.get('process_seconds', float('nan')):.0f} | {r['peak_rss_mb']:.0f} |"
+        )
+    failed = [r for r in rows if "error" in r]
+    t = targets(rows)
+    text = "\n".join(lines) + "\n"
+    if t:
+        text += "\n| target | measured | met |\n|---|---|---|\n"
+        text += "\n".join(f"| {a} | {b} | {'yes' if m else 'NOT met'} |" for a, b, m in t) + "\n"
+    if failed:
+        text += "\nFailed to run: " + ", ".join(f"{r['recipe']} ({r['error'].strip().splitlines()[-1][:120]})"
+                                               for r in failed) + "\n"
+    text += (
+        f"\nProtocol: SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32), Wikipedia excerpt from the gensim wheel "
+        f"(CC BY-SA) split by article; evaluation = first {protocol['eval_tokens']} tokens of the evaluation split in "
+        f"non-overlapping windows of {protocol['ctx']} (no BOS); calibration = random windows of "
+        f"{protocol['calib_ctx']} tokens from the calibration split only (seed 0; count in the 'calib' column). "
+        f"'quantize s' = the recipe's quantization time in its process; 'process s' = whole process (model load, "
+        f"quantize, compile, evaluation); peak RSS = the process's. Machine: 2-core CPU shared with other work.\n"
+    )
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--eval-tokens", type=int, default=32768)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--calib-windows", type=int, default=MAIN_CALIB)
+    ap.add_argument("--calib-ctx", type=int, default=512)
+    ap.add_argument("--only", default=None, help="comma-separated recipes (default: all that exist)")
+    ap.add_argument("--sweep", action="store_true", help="also the calibration-size sweep (16/32/64/128)")
+    ap.add_argument("--out", default=str(RESULTS / "quality.json"))
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from eqjax.recipes import RECIPES
+
+    protocol = {"eval_tokens": args.eval_tokens, "ctx": args.ctx, "calib_ctx": args.calib_ctx}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = _load(out, protocol)
+    done = {_key(r) for r in rows if "ppl" in r}
+    rows = [r for r in rows if "ppl" in r]
+    names = args.only.split(",") if args.only else [n for n in MAIN if n in RECIPES]
+    jobs = []
+    for n in names:
+        calib = args.calib_windows if RECIPES[n]().needs_calibration else 0
+        jobs.append((n, calib))
+    if args.sweep:
+        jobs += [(n, c) for n, cs in SWEEP.items() if n in RECIPES for c in cs]
+    for n, calib in jobs:
+        if f"{n}@{calib}" in done:
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {n} (calibration windows: {calib}) ...", flush=True)
+        row = run_one(n, args, calib)
+        rows.append(row)
+        done.add(_key(row))
+        print("   ", {k: row.get(k) for k in ("ppl", "quantize_seconds", "process_seconds", "peak_rss_mb", "error")},
+              flush=True)
+        out.write_text(json.dumps({"protocol": protocol, "rows": rows}, indent=1))
+        out.with_suffix(".md").write_text(markdown(rows, protocol))
+    out.write_text(json.dumps({"protocol": protocol, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(markdown(rows, protocol))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

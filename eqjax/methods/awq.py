@@ -115,21 +115,24 @@ def search_scale(
 def _clip(w: jax.Array, h: jax.Array, *, spec: QuantSpec, ratios: tuple[float, ...]) -> jax.Array:
     n_in, n_out = w.shape
     G = spec.granularity.group_size if spec.granularity.kind == "group" else n_in
-    ng = n_in // G
-    hb = jnp.stack([h[g * G : (g + 1) * G, g * G : (g + 1) * G] for g in range(ng)])  # [ng, G, G]
-    wv = w.reshape(ng, G, n_out)
+    ng = -(-n_in // G)  # a short last group is zero-padded here; its padding adds no error
+    pad = ng * G - n_in
+    hp = jnp.pad(h, ((0, pad), (0, pad)))
+    hb = jnp.stack([hp[g * G : (g + 1) * G, g * G : (g + 1) * G] for g in range(ng)])  # [ng, G, G]
+    wv = jnp.pad(w, ((0, pad), (0, 0))).reshape(ng, G, n_out)
     amax = jnp.max(jnp.abs(wv), axis=1, keepdims=True)  # [ng, 1, out]
 
+    def clipped(m):
+        return jnp.clip(wv, -m, m).reshape(ng * G, n_out)[:n_in]
+
     def err(r):
-        m = amax * r
-        cw = jnp.clip(wv, -m, m).reshape(n_in, n_out)
-        e = (w - fake_quantize(cw, spec)).reshape(ng, G, n_out)
+        e = w - fake_quantize(clipped(amax * r), spec)
+        e = jnp.pad(e, ((0, pad), (0, 0))).reshape(ng, G, n_out)
         return jnp.einsum("gab,gao,gbo->go", hb, e, e, precision="highest")
 
     errs = jax.lax.map(err, jnp.asarray(ratios, jnp.float32))  # [R, ng, out]
     best = jnp.asarray(ratios, jnp.float32)[jnp.argmin(errs, axis=0)]  # [ng, out]
-    m = amax * best[:, None, :]
-    return jnp.clip(wv, -m, m).reshape(n_in, n_out)
+    return clipped(amax * best[:, None, :])
 
 
 def search_clip(w: jax.Array, h: jax.Array, spec: QuantSpec, *, max_shrink: float = 0.5, clip_grid: int = 20) -> jax.Array:

@@ -56,10 +56,12 @@ def test_awq_then_rtn_beats_rtn(tiny):
     assert e_awq < e_rtn, (e_awq, e_rtn)
 
 
-def test_search_scale_and_clip_reduce_layer_error():
+@pytest.mark.parametrize("n_in", [32, 40])
+def test_search_scale_and_clip_reduce_layer_error(n_in):
+    """n_in 40 with groups of 16: a short last group of 8 (as SmolLM2's 576 with 128)."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 32)).astype(np.float32) * np.where(np.arange(32) < 2, 30.0, 1.0)
-    w = rng.normal(size=(32, 16)).astype(np.float32)
+    x = rng.normal(size=(256, n_in)).astype(np.float32) * np.where(np.arange(n_in) < 2, 30.0, 1.0)
+    w = rng.normal(size=(n_in, 16)).astype(np.float32)
     h = x.T @ x / len(x)
     spec = QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")
     s, r, losses = search_scale([w], np.abs(x).mean(0), h, [spec])
@@ -70,6 +72,7 @@ def test_search_scale_and_clip_reduce_layer_error():
     e_awq = err(np.asarray(fake_quantize(jnp.asarray(w * se), spec)) / se)
     assert e_awq <= e_rtn
     wc = search_clip(jnp.asarray(w * se), h / (se * se.T), spec)
+    assert wc.shape == w.shape
     e_clip = err(np.asarray(fake_quantize(wc, spec)) / se)
     assert e_clip <= e_awq * (1 + 1e-5)
 

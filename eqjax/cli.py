@@ -24,7 +24,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="UTF-8 plain-text file to evaluate on (default: Wikipedia split)")
     p.add_argument("--ctx", type=int, default=1024, help="evaluation window length in tokens (default 1024)")
     p.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens, rounded down to whole windows")
-    p.add_argument("--calib-windows", type=int, default=32, help="calibration windows for calibrated recipes")
+    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes (default 16)")
     p.add_argument("--calib-ctx", type=int, default=512, help="calibration window length")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

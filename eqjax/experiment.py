@@ -55,7 +55,7 @@ def prepare(
     *,
     ctx: int = 1024,
     eval_tokens: int = 4096,
-    calib_windows: int = 32,
+    calib_windows: int = 16,
     calib_ctx: int = 512,
     seed: int = 0,
 ) -> Setup:

@@ -92,7 +92,9 @@ def test_recipe_from_config():
 
 @pytest.mark.slow
 def test_smollm2_smoothquant_beats_naive_w8a8():
-    """2 windows x 512: SmoothQuant(0.85) + W8A8 has lower perplexity than naive W8A8 (8 x 256 calibration)."""
+    """2 windows x 1024: SmoothQuant(0.85) + W8A8 has lower perplexity than naive W8A8 (16 x 512 calibration).
+
+    (With 2 x 512 evaluation tokens and 8 x 256 calibration tokens the comparison was within noise.)"""
     from eqjax import data
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import load_gguf
@@ -100,8 +102,8 @@ def test_smollm2_smoothquant_beats_naive_w8a8():
     cfg, params, tok = load_gguf()
     model = Model(cfg)
     cal_ids, ev_ids = data.wikipedia_tokens(tok)
-    ev = data.token_windows(ev_ids, 512)[:2]
-    cal = data.calibration_windows(cal_ids, 8, 256, seed=0)
+    ev = data.token_windows(ev_ids, 1024)[:2]
+    cal = data.calibration_windows(cal_ids, 16, 512, seed=0)
     naive = quantize(params, Recipe("n", (RTN((W8A8_RULE,)),)))
     sq = quantize(params, Recipe("s", (SmoothQuant(0.85), RTN((W8A8_RULE,)))), model=model, calibration=cal)
     p_fp = perplexity(model, params, ev).ppl

@@ -121,6 +121,22 @@ STEP_TYPES: dict[str, str] = {
 }
 
 
+def step_kwargs(
+    cls: type, d: Mapping[str, Any], method: str, *, exclude: tuple[str, ...] = ("name",),
+    tuples: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A step dataclass's keyword arguments from a recipe-file table, checked against its fields.
+
+    Unknown keys raise naming ``method`` and the allowed keys; ``tuples`` are list-valued fields
+    converted to tuples (steps must stay hashable).
+    """
+    allowed = {f.name for f in dataclasses.fields(cls)} - set(exclude)
+    unknown = set(d) - allowed
+    if unknown:
+        raise ValueError(f"unknown {method!r} key(s): {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return {k: (tuple(v) if k in tuples else v) for k, v in d.items()}
+
+
 def _step_from_dict(d: Mapping[str, Any]) -> Any:
     d = dict(d)
     method = d.pop("method", None)

@@ -262,11 +262,6 @@ class AWQ:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "AWQ":
-        d = dict(d)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise ValueError(f"unknown 'awq' key(s): {sorted(unknown)}; allowed: {sorted(fields)}")
-        if "no_clip" in d:
-            d["no_clip"] = tuple(d["no_clip"])
-        return cls(**d)
+        from eqjax.recipe import step_kwargs  # noqa: PLC0415
+
+        return cls(**step_kwargs(cls, d, "awq", exclude=(), tuples=('no_clip',)))

@@ -360,9 +360,6 @@ class GPTQ:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "GPTQ":
-        d = dict(d)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise ValueError(f"unknown 'gptq' key(s): {sorted(unknown)}; allowed: {sorted(fields)}")
-        return cls(**d)
+        from eqjax.recipe import step_kwargs  # noqa: PLC0415
+
+        return cls(**step_kwargs(cls, d, "gptq", exclude=()))

@@ -135,12 +135,9 @@ class ZeroQuantLKD:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "ZeroQuantLKD":
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)} - {"name"}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown 'zeroquant_lkd' key(s) {sorted(unknown)}; allowed: {sorted(known)}")
-        return cls(**d)
+        from eqjax.recipe import step_kwargs  # noqa: PLC0415
+
+        return cls(**step_kwargs(cls, d, "zeroquant_lkd"))
 
     @property
     def rule(self) -> Rule:

@@ -143,14 +143,9 @@ class SmoothQuant:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "SmoothQuant":
-        d = dict(d)
-        known = {"alpha", "search", "alphas", "smooth_down", "sink_tokens", "batch_size"}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown 'smoothquant' key(s) {sorted(unknown)}; allowed: {sorted(known)}")
-        if "alphas" in d:
-            d["alphas"] = tuple(float(a) for a in d["alphas"])
-        return cls(**d)
+        from eqjax.recipe import step_kwargs  # noqa: PLC0415
+
+        return cls(**step_kwargs(cls, d, "smoothquant", tuples=('alphas',)))
 
     def __call__(self, params: Params, ctx: Any) -> Params:
         ctx.require_calibration(self.name)

@@ -99,6 +99,15 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
     if best:
         n, g = max(best, key=lambda t: t[1])
         out.append(("best W4 g128 asymmetric closes >= 60 % of RTN's gap", f"{g:.1f} % ({n})", g >= 60))
+    if "w8a8-zeroquant-lkd" in by and "w8a8-zeroquant" in by:
+        a, b = by["w8a8-zeroquant-lkd"]["ppl"], by["w8a8-zeroquant"]["ppl"]
+        out.append(("ZeroQuant + LKD improves over ZeroQuant (W8A8 g64)", f"{a:.3f} vs {b:.3f}", a < b))
+    if "w4g128-gptq" in by:
+        r = by["w4g128-gptq"]
+        out.append(("GPTQ W4 quantize time <= 150 s (half the reference's ~300 s)", f"{r['quantize_seconds']:.0f} s", r["quantize_seconds"] <= 150))
+        out.append(("GPTQ W4 peak RSS <= 0.9 GB (half the reference's 1.6-1.8 GB)",
+                    f"{r['peak_rss_mb'] / 1024:.2f} GiB (whole eval process; FP row: {by['fp']['peak_rss_mb'] / 1024:.2f} GiB)",
+                    r["peak_rss_mb"] <= 900))
     return out
 
 
@@ -139,6 +148,12 @@ def markdown(rows: list[dict], protocol: dict) -> str:
         f"quantize, compile, evaluation); peak RSS = the process's. Machine: 2-core CPU shared with other work.\n"
     )
     return text
+
+
+def rewrite_markdown(path: pathlib.Path) -> None:
+    """Regenerate the markdown of a results JSON (e.g. after editing the targets)."""
+    data = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(markdown(data["rows"], data["protocol"]))
 
 
 def main() -> int:

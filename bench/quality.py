@@ -145,7 +145,9 @@ def markdown(rows: list[dict], protocol: dict) -> str:
         f"non-overlapping windows of {protocol['ctx']} (no BOS); calibration = random windows of "
         f"{protocol['calib_ctx']} tokens from the calibration split only (seed 0; count in the 'calib' column). "
         f"'quantize s' = the recipe's quantization time in its process; 'process s' = whole process (model load, "
-        f"quantize, compile, evaluation); peak RSS = the process's. Machine: 2-core CPU shared with other work.\n"
+        f"quantize, compile, evaluation); peak RSS = the process's; 'KV B/token' of rows without KV quantization "
+        f"is eqjax's float32 cache ({4 * _KV_FLOATS_PER_TOKEN}; a float16 cache would be half). "
+        f"Machine: 2-core CPU shared with other work.\n"
     )
     return text
 

@@ -36,19 +36,14 @@ import optax
 from eqjax.calibrate import run_layerwise
 from eqjax.numerics import QuantSpec, fake_quantize
 from eqjax.pytree import Params
-from eqjax.qarray import per_channel, per_group
+from eqjax.methods.rtn import quantize_by_rules, zeroquant_rule
+from eqjax.qarray import per_channel
 from eqjax.recipe import RecipeError
 from eqjax.rules import Rule
 
 __all__ = ["ZeroQuantLKD", "zeroquant_rule", "fake_quant_linears"]
 
 log = logging.getLogger("eqjax")
-
-
-def zeroquant_rule(bits: int = 8, group_size: int = 64, act_bits: int = 8) -> Rule:
-    """ZeroQuant's rule: symmetric group-wise weights (float16 scales, as `w8a8-zeroquant`) + A8 per token."""
-    spec = QuantSpec(bits, True, per_group(0, group_size), "absmax", scale_dtype="float16")
-    return Rule(r".*/kernel", spec, act_bits, "token")
 
 
 def _real_linear() -> Callable:
@@ -145,7 +140,6 @@ class ZeroQuantLKD:
 
     def __call__(self, params: Params, ctx: Any) -> Params:
         ctx.require_calibration(self.name)
-        from eqjax.methods.rtn import quantize_by_rules  # noqa: PLC0415
 
         model, rule = ctx.model, self.rule
         rng = np.random.default_rng(ctx.seed)

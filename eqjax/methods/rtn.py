@@ -21,7 +21,7 @@ from eqjax.pytree import Params, is_leaf, map_with_path
 from eqjax.qarray import per_channel, per_group, per_tensor
 from eqjax.rules import LINEAR_KERNELS, Rule, assign, rule_from_dict
 
-__all__ = ["RTN", "quantize_by_rules", "absmax", "zero_point", "symmetric", "zeroquant"]
+__all__ = ["RTN", "quantize_by_rules", "absmax", "zero_point", "symmetric", "zeroquant", "zeroquant_rule"]
 
 log = logging.getLogger("eqjax")
 
@@ -93,9 +93,18 @@ def symmetric(params: Params, bits: int = 8, pattern: str = LINEAR_KERNELS) -> P
     return quantize_by_rules(params, (Rule(pattern, QuantSpec(bits, True, per_channel(-1), "absmax")),))
 
 
+def zeroquant_rule(
+    bits: int = 8, group_size: int = 64, act_bits: int = 8, *, pattern: str = r".*/kernel",
+    scale_dtype: str = "float16",
+) -> Rule:
+    """ZeroQuant's rule: group-wise symmetric weights (groups along the input) + A8 per token."""
+    spec = QuantSpec(bits, True, per_group(0, group_size), "absmax", scale_dtype=scale_dtype)
+    return Rule(pattern, spec, act_bits, "token")
+
+
 def zeroquant(
     params: Params, bits: int = 8, group_size: int = 64, act_bits: int = 8, pattern: str = LINEAR_KERNELS
 ) -> Params:
     """ZeroQuant: group-wise symmetric weights (groups along the input) + token-wise dynamic activations."""
-    spec = QuantSpec(bits, True, per_group(0, group_size), "absmax", scale_dtype="float16" if bits <= 4 else "float32")
-    return quantize_by_rules(params, (Rule(pattern, spec, act_bits, "token"),))
+    sd = "float16" if bits <= 4 else "float32"
+    return quantize_by_rules(params, (zeroquant_rule(bits, group_size, act_bits, pattern=pattern, scale_dtype=sd),))

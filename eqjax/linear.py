@@ -24,9 +24,10 @@ from typing import Any, Iterator, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eqjax.numerics import integer_values, dequantize
-from eqjax.qarray import QArray
+from eqjax.qarray import ActQuantKernel, QArray
 
 __all__ = [
     "ActQuantKernel",
@@ -36,6 +37,9 @@ __all__ = [
     "current_backend",
     "quantize_activations",
     "int_matmul",
+    "act_quant_matmul",
+    "w8a8_k_order",
+    "matmul_2d",
     "kernel_shape",
 ]
 
@@ -57,47 +61,6 @@ def use_backend(backend: Backend) -> Iterator[None]:
 
 def current_backend() -> str:
     return _BACKEND.get()
-
-
-@dataclasses.dataclass(frozen=True)
-class ActQuantKernel:
-    """A quantized weight whose input activations are quantized too (W8A8 and friends).
-
-    Attributes:
-      weight: QArray ``[in, out]``; symmetric per-channel/per-tensor, or group-wise along ``in``
-        (ZeroQuant), any 2..8 bits.
-      act_scale: None for dynamic scales, else a static float32 scale of shape ``()`` (per-tensor),
-        e.g. calibrated by SmoothQuant or tracked by :mod:`eqjax.ema`.
-      act_bits: activation bits (8).
-      act_granularity: ``"token"`` (one scale per row of the flattened input) or ``"tensor"``.
-    """
-
-    weight: QArray
-    act_scale: jax.Array | None = None
-    act_bits: int = 8
-    act_granularity: Literal["token", "tensor"] = "token"
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.act_bits <= 8:
-            raise ValueError(f"activation bits must be in 2..8, got {self.act_bits}")
-        if self.act_granularity not in ("token", "tensor"):
-            raise ValueError(f"act_granularity must be 'token' or 'tensor', got {self.act_granularity!r}")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.weight.shape
-
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.act_scale is None else self.act_scale.size * self.act_scale.dtype.itemsize
-        return self.weight.nbytes + extra
-
-
-jax.tree_util.register_dataclass(
-    ActQuantKernel,
-    data_fields=["weight", "act_scale"],
-    meta_fields=["act_bits", "act_granularity"],
-)
 
 
 def kernel_shape(kernel: Any) -> tuple[int, ...]:
@@ -140,39 +103,73 @@ def _weight_int(w: QArray) -> jax.Array:
     return iv.astype(jnp.int8 if fits_int8 else jnp.int16)
 
 
-def _w8a8_xla(x2: jax.Array, k: ActQuantKernel) -> jax.Array:
+def w8a8_k_order(w: QArray, contracting: tuple[int, ...]) -> tuple[int, ...]:
+    """The order of the weight's contracted axes in the activation rows :func:`act_quant_matmul`
+    takes: ascending, with the group axis (for group-wise scales along an input axis) last."""
+    gran = w.granularity
+    if gran.kind == "group" and gran.axes[0] in contracting:
+        g = gran.axes[0]
+        return tuple(a for a in contracting if a != g) + (g,)
+    return tuple(contracting)
+
+
+def act_quant_matmul(x2: jax.Array, k: ActQuantKernel, contracting: tuple[int, ...] = (0,),
+                     free: tuple[int, ...] = (1,)) -> jax.Array:
+    """W8A8 (and friends): ``x2 [M, K]`` quantized per token (or tensor) times the integer weight.
+
+    The weight may have any rank: ``contracting`` are its input axes (``x2``'s columns follow
+    :func:`w8a8_k_order`), ``free`` its output axes (flattened in order to ``N``). Scales must be per
+    output channel / per tensor, or groups along an input axis (ZeroQuant). Returns float32 ``[M, N]``:
+    ``int8 x int8 -> int32`` sums (per group: float32 when provably exact) times the weight scales
+    times the activation scales.
+    """
     w = k.weight
     qx, sx = quantize_activations(x2, k.act_bits, k.act_granularity, k.act_scale)
     qw = _weight_int(w)
     gran = w.granularity
+    order = w8a8_k_order(w, contracting)
+    shape = w.shape
+    N = int(np.prod([shape[a] for a in free], dtype=np.int64))
     wscale = w.scale.astype(jnp.float32)
-    if gran.kind == "group":
-        if gran.axes[0] != 0:
-            raise ValueError(f"W8A8 with groups needs groups along the input axis, got {gran}")
-        G = gran.group_size
-        M, K = qx.shape
-        ng = -(-K // G)
-        if ng * G != K:  # short last group: zero-pad K (zeros add nothing to the integer sums)
-            qx = jnp.pad(qx, ((0, 0), (0, ng * G - K)))
-            qw = jnp.pad(qw, ((0, ng * G - K), (0, 0)))
+    M = qx.shape[0]
+    if gran.kind == "group" and gran.axes[0] in contracting:
+        g, G = gran.axes[0], gran.group_size
+        other = order[:-1]
+        O = int(np.prod([shape[a] for a in other], dtype=np.int64))
+        Dg = shape[g]
+        ng = -(-Dg // G)
+        wi = jnp.transpose(qw, order + free).reshape(O, Dg, N)
+        xi = qx.reshape(M, O, Dg)
+        if ng * G != Dg:  # short last group: zero-pad (zeros add nothing to the integer sums)
+            wi = jnp.pad(wi, ((0, 0), (0, ng * G - Dg), (0, 0)))
+            xi = jnp.pad(xi, ((0, 0), (0, 0), (0, ng * G - Dg)))
+        sc = jnp.transpose(wscale, order + free).reshape(O * ng, N)
         # Each group's sum of G integer products is < 2**24 when G * 127 * wmax < 2**24, so float32
         # accumulates it exactly (and XLA:CPU runs float batched dots far faster than int32 ones).
-        wmax = 2 ** (w.bits - 1) - 1 if w.symmetric else 2**w.bits - 1
+        wmax = 2 ** (w.bits - 1) if w.symmetric else 2**w.bits - 1
         exact_f32 = G * (2 ** (k.act_bits - 1) - 1) * wmax < 2**24
         acc_dtype = jnp.float32 if exact_f32 else jnp.int32
         acc = jnp.einsum(
             "mgk,gkn->mgn",
-            qx.reshape(M, ng, G).astype(acc_dtype),
-            qw.reshape(ng, G, -1).astype(acc_dtype),
+            xi.reshape(M, O * ng, G).astype(acc_dtype),
+            wi.reshape(O * ng, G, N).astype(acc_dtype),
             preferred_element_type=acc_dtype,
             precision=jax.lax.Precision.HIGHEST,
         )
-        y = jnp.einsum("mgn,gn->mn", acc.astype(jnp.float32), wscale, precision=jax.lax.Precision.HIGHEST)
+        y = jnp.einsum("mgn,gn->mn", acc.astype(jnp.float32), sc, precision=jax.lax.Precision.HIGHEST)
     else:
-        if gran.kind == "channel" and gran.axes != (1,):
-            raise ValueError(f"W8A8 needs per-output-channel or per-tensor weight scales, got {gran}")
-        y = int_matmul(qx, qw).astype(jnp.float32) * wscale.reshape(1, -1)
+        if gran.kind == "group" or any(a not in free for a in gran.axes):
+            raise ValueError(f"W8A8 needs per-output-channel, per-tensor or input-group weight scales, got {gran}")
+        wi = jnp.transpose(qw, order + free).reshape(-1, N)
+        sc = jnp.broadcast_to(jnp.transpose(wscale, order + free)[(0,) * len(order)],
+                              tuple(shape[a] for a in free)).reshape(1, N)
+        y = int_matmul(qx, wi).astype(jnp.float32) * sc
     return y * sx
+
+
+def _w8a8_xla(x2: jax.Array, k: ActQuantKernel) -> jax.Array:
+    """``act_quant_matmul`` of a 2-D ``[in, out]`` kernel (the Pallas kernels' XLA fallback)."""
+    return act_quant_matmul(x2, k)
 
 
 def _dispatch_pallas(x2: jax.Array, kernel: Any, bias: jax.Array | None, out_dtype, interpret: bool):
@@ -202,15 +199,22 @@ def linear(x: jax.Array, layer: Mapping[str, Any], *, backend: Backend | None = 
     if not isinstance(kernel, (QArray, ActQuantKernel)):
         y = jnp.matmul(x, kernel.astype(x.dtype))
         return y if bias is None else y + bias.astype(y.dtype)
-    x2 = x.reshape(-1, k_in)
+    y = matmul_2d(x.reshape(-1, k_in), kernel, bias, backend=backend)
+    return y.astype(x.dtype).reshape(lead + (shape[1],))
+
+
+def matmul_2d(x2: jax.Array, kernel: Any, bias: jax.Array | None = None, *, backend: Backend | None = None) -> jax.Array:
+    """``x2 [M, K] @ kernel [K, N] (+ bias)`` for a QArray / ActQuantKernel ``[K, N]``, in ``x2``'s
+    dtype: a Pallas kernel where one covers the layout and the backend asks for it, else XLA."""
+    backend = backend or current_backend()
     y = None
     if backend != "xla":
-        y = _dispatch_pallas(x2, kernel, bias, x.dtype, interpret=backend == "pallas_interpret")
+        y = _dispatch_pallas(x2, kernel, bias, x2.dtype, interpret=backend == "pallas_interpret")
     if y is None:
         if isinstance(kernel, ActQuantKernel):
-            y = _w8a8_xla(x2, kernel)
+            y = act_quant_matmul(x2, kernel)
         else:
-            y = jnp.matmul(x2, dequantize(kernel, x.dtype))
+            y = jnp.matmul(x2, dequantize(kernel, x2.dtype))
         if bias is not None:
             y = y + bias.astype(y.dtype)
-    return y.astype(x.dtype).reshape(lead + (shape[1],))
+    return y.astype(x2.dtype)

@@ -7,10 +7,13 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from eqjax.linear import ActQuantKernel
-from eqjax.qarray import QArray
+from eqjax.errors import InputError
+from eqjax.qarray import ActQuantKernel, QArray
 
-__all__ = ["is_leaf", "path_str", "flatten", "map_with_path", "tree_nbytes", "get_path", "set_path"]
+__all__ = [
+    "is_leaf", "path_str", "flatten", "flatten_with_paths", "float_aval", "map_with_path", "tree_nbytes",
+    "get_path", "set_path", "unflatten_paths",
+]
 
 Params = Any
 
@@ -33,6 +36,31 @@ def path_str(path: tuple) -> str:
         else:
             parts.append(str(k))
     return "/".join(parts)
+
+
+def flatten_with_paths(params: Params) -> tuple[list[str], list[Any], Any]:
+    """(paths, leaves, treedef) with quantized arrays as leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+    return [path_str(p) for p, _ in leaves], [x for _, x in leaves], treedef
+
+
+def float_aval(x: Any, path: str = "param") -> jax.ShapeDtypeStruct:
+    """The float shape/dtype a leaf stands for (a QArray's logical shape and float dtype)."""
+    if isinstance(x, ActQuantKernel):
+        x = x.weight
+    if isinstance(x, QArray):
+        return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+    if isinstance(x, (bool, int, float, complex, np.generic)):
+        return jax.ShapeDtypeStruct((), np.result_type(x))
+    raise InputError(f"{path}: a param leaf must be an array, got {type(x).__name__}")
+
+
+def unflatten_paths(values: dict[str, Any], template: Params) -> Params:
+    """``template``'s tree with the leaf at each path replaced by ``values[path]`` where present."""
+    paths, leaves, treedef = flatten_with_paths(template)
+    return jax.tree_util.tree_unflatten(treedef, [values.get(p, x) for p, x in zip(paths, leaves)])
 
 
 def flatten(params: Params) -> Iterator[tuple[str, Any]]:

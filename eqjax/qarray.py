@@ -59,11 +59,15 @@ __all__ = [
     "per_tensor",
     "per_channel",
     "per_group",
+    "per_output_channel",
+    "per_input_group",
     "scale_shape",
     "storage_shape",
     "storage_dtype",
     "codes_per_word",
     "validate",
+    "ActQuantKernel",
+    "is_quantized",
 ]
 
 SUPPORTED_BITS = tuple(range(2, 9))
@@ -76,22 +80,39 @@ class QArrayError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Granularity:
-    """Which elements share a scale. Static metadata; build with the helper functions below."""
+    """Which elements share a scale. Static metadata; build with the helper functions below.
 
-    kind: Literal["tensor", "channel", "group"]
+    ``tensor`` / ``channel`` / ``group`` name concrete axes of an array. ``output`` (one scale per
+    output channel) and ``input_group`` (groups of ``group_size`` along the input) are *role-relative*:
+    they name no axes and are resolved against how the model uses the weight
+    (:func:`eqjax.core.roles.resolve_granularity`: a matmul's free axes / its last contracted axis)
+    before anything is quantized; a QArray always holds a concrete granularity.
+    """
+
+    kind: Literal["tensor", "channel", "group", "output", "input_group"]
     axes: tuple[int, ...] = ()
     group_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("tensor", "channel", "group"):
+        if self.kind not in ("tensor", "channel", "group", "output", "input_group"):
             raise QArrayError(f"unknown granularity kind {self.kind!r}")
+        if self.kind in ("output", "input_group") and self.axes:
+            raise QArrayError(f"a role-relative granularity ({self.kind}) takes no axes")
+        if self.kind == "input_group" and self.group_size < 1:
+            raise QArrayError("an input_group granularity needs group_size >= 1")
         if self.kind == "group" and (len(self.axes) != 1 or self.group_size < 1):
             raise QArrayError("a group granularity needs exactly one axis and group_size >= 1")
         if self.kind == "tensor" and self.axes:
             raise QArrayError("a per-tensor granularity takes no axes")
 
+    @property
+    def role_relative(self) -> bool:
+        return self.kind in ("output", "input_group")
+
     def normalized(self, ndim: int) -> "Granularity":
         """The same granularity with non-negative axes for an array of rank ``ndim``."""
+        if self.role_relative:
+            raise QArrayError(f"granularity {self} must be resolved against the weight's use first")
         axes = []
         for a in self.axes:
             if not -ndim <= a < ndim:
@@ -104,6 +125,10 @@ class Granularity:
             return "per-tensor"
         if self.kind == "channel":
             return f"per-channel{self.axes}"
+        if self.kind == "output":
+            return "per-output-channel"
+        if self.kind == "input_group":
+            return f"group{self.group_size}@input"
         return f"group{self.group_size}@axis{self.axes[0]}"
 
 
@@ -120,6 +145,16 @@ def per_channel(axes: int | tuple[int, ...] = -1) -> Granularity:
 def per_group(axis: int, size: int) -> Granularity:
     """Contiguous groups of ``size`` along ``axis``, one scale per group and per other index."""
     return Granularity("group", (axis,), int(size))
+
+
+def per_output_channel() -> Granularity:
+    """One scale per output channel of a matmul weight (its free axes), whatever its layout."""
+    return Granularity("output")
+
+
+def per_input_group(size: int) -> Granularity:
+    """Groups of ``size`` along a matmul weight's input (its last contracted axis), whatever its layout."""
+    return Granularity("input_group", (), int(size))
 
 
 def scale_shape(shape: tuple[int, ...], gran: Granularity) -> tuple[int, ...]:
@@ -294,3 +329,49 @@ def validate(q: QArray, *, check_values: bool = True, name: str = "QArray") -> Q
             if v.size and (v.min() < lo or v.max() > hi):
                 raise QArrayError(f"{where}: codes outside [{lo}, {hi}]")
     return q
+
+
+@dataclasses.dataclass(frozen=True)
+class ActQuantKernel:
+    """A quantized weight whose input activations are quantized too (W8A8 and friends).
+
+    Attributes:
+      weight: QArray ``[in, out]``; symmetric per-channel/per-tensor, or group-wise along ``in``
+        (ZeroQuant), any 2..8 bits.
+      act_scale: None for dynamic scales, else a static float32 scale of shape ``()`` (per-tensor),
+        e.g. calibrated by SmoothQuant or tracked by :mod:`eqjax.ema`.
+      act_bits: activation bits (8).
+      act_granularity: ``"token"`` (one scale per row of the flattened input) or ``"tensor"``.
+    """
+
+    weight: QArray
+    act_scale: jax.Array | None = None
+    act_bits: int = 8
+    act_granularity: Literal["token", "tensor"] = "token"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.act_bits <= 8:
+            raise ValueError(f"activation bits must be in 2..8, got {self.act_bits}")
+        if self.act_granularity not in ("token", "tensor"):
+            raise ValueError(f"act_granularity must be 'token' or 'tensor', got {self.act_granularity!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.act_scale is None else self.act_scale.size * self.act_scale.dtype.itemsize
+        return self.weight.nbytes + extra
+
+
+jax.tree_util.register_dataclass(
+    ActQuantKernel,
+    data_fields=["weight", "act_scale"],
+    meta_fields=["act_bits", "act_granularity"],
+)
+
+
+def is_quantized(x: Any) -> bool:
+    """True for a QArray or an ActQuantKernel (the quantized leaves of a param tree)."""
+    return isinstance(x, (QArray, ActQuantKernel))

@@ -25,58 +25,105 @@ Each ``method`` names a step type in :data:`STEP_TYPES`; the remaining keys go t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import logging
 import pathlib
 import time
 import tomllib
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+import numpy as np
+
+from eqjax.errors import InputError
 from eqjax.pytree import Params
 
-__all__ = ["Context", "Step", "Recipe", "RecipeError", "quantize", "load_recipe", "recipe_from_dict", "STEP_TYPES"]
+__all__ = [
+    "Context", "Step", "Recipe", "RecipeError", "quantize", "load_recipe", "recipe_from_dict", "STEP_TYPES",
+    "model_context", "window_batches",
+]
 
 log = logging.getLogger("eqjax")
 
 
-class RecipeError(ValueError):
+class RecipeError(InputError):
     """A recipe (file) is malformed or cannot run on the given model."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Context:
-    """What calibrated steps may use. Uncalibrated steps ignore it.
+    """What steps may use: the model's call, calibration batches, and what eqjax learned by tracing it.
 
     Attributes:
-      model: the model facade (``eqjax.models.Model``) or None.
-      calibration: int32 token windows ``[n, T]`` from the calibration split, or None.
-      seed: random seed for anything stochastic.
-      progress: show progress bars.
+      fn: the model's call ``fn(params, *args)`` (None: params only, name rules only).
+      batches: calibration batches (positional-argument tuples of ``fn``, one shape), or None.
+      example: arguments to trace ``fn`` with when there are no batches.
+      template: the param tree (tracing needs its shapes).
+      blocks: a regex naming the model's blocks (default: found from the param paths).
+      model: eqjax's own :class:`~eqjax.models.Model` when that is what is quantized (KV cache).
+      seed, progress: randomness and progress bars.
+      report: ``(path, what was done)`` lines appended by the steps.
     """
 
+    fn: Callable[..., Any] | None = None
+    batches: list[tuple[Any, ...]] | None = None
+    example: tuple[Any, ...] | None = None
+    template: Any = None
+    blocks: str | None = None
     model: Any = None
-    calibration: Any = None
     seed: int = 0
     progress: bool = False
+    report: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    _program: Any = dataclasses.field(default=None, repr=False)
+    _analysis: Any = dataclasses.field(default=None, repr=False)
+    _calibrator: Any = dataclasses.field(default=None, repr=False)
 
-    def require_calibration(self, step: str) -> None:
-        """Raise a clear error unless a model and non-empty calibration windows are present."""
-        if self.model is None:
-            raise RecipeError(f"step {step!r} needs a model for calibration; pass model=")
-        cal = self.calibration
-        if cal is None or getattr(cal, "size", 0) == 0 or len(getattr(cal, "shape", ())) != 2 or cal.shape[0] == 0:
-            raise RecipeError(
-                f"step {step!r} needs calibration token windows [n, T] with n >= 1; got "
-                f"{None if cal is None else getattr(cal, 'shape', type(cal))}"
-            )
+    def _trace(self) -> None:
+        from eqjax.core.analysis import analyze  # noqa: PLC0415
+        from eqjax.core.program import trace  # noqa: PLC0415
+
+        args = self.batches[0] if self.batches else self.example
+        if args is None:
+            raise RecipeError("eqjax needs example inputs of the model to see how it uses its params "
+                              "(calibration= or example=)")
+        self._program = trace(self.fn, self.template, args)
+        self._analysis = analyze(self._program)
+
+    @property
+    def analysis(self) -> Any:
+        """The :class:`~eqjax.core.analysis.Analysis` of the model (None without a model)."""
+        if self.fn is None:
+            return None
+        if self._analysis is None:
+            self._trace()
+        return self._analysis
+
+    def calibrator(self, step: str) -> Any:
+        """The :class:`~eqjax.calibrate.Calibrator` over the calibration batches (raises without them)."""
+        if self.fn is None:
+            raise RecipeError(f"step {step!r} needs the model for calibration; pass model=")
+        if not self.batches:
+            raise RecipeError(f"step {step!r} needs calibration data; pass calibration=")
+        if self._calibrator is None:
+            from eqjax.calibrate import Calibrator  # noqa: PLC0415
+
+            if self._program is None:
+                self._trace()
+            self._calibrator = Calibrator(self._program, self.batches, analysis=self._analysis, blocks=self.blocks)
+        return self._calibrator
+
+    def require_calibration(self, step: str) -> Any:
+        return self.calibrator(step)
 
 
 @runtime_checkable
 class Step(Protocol):
+    """A recipe step: ``step(params by path, ctx) -> params by path``."""
+
     name: str
 
-    def __call__(self, params: Params, ctx: Context) -> Params: ...
+    def __call__(self, params: dict[str, Any], ctx: Context) -> dict[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,22 +140,75 @@ class Recipe:
         return any(getattr(s, "needs_calibration", False) for s in self.steps)
 
 
+def window_batches(windows: Any, batch_size: int = 8) -> list[tuple[Any, ...]]:
+    """Token windows ``[n, T]`` as batches of equal size (the largest divisor of ``n`` <= ``batch_size``)."""
+    w = np.asarray(windows)
+    if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
+        raise RecipeError(f"calibration token windows must be a non-empty [n, T] array, got shape {w.shape}")
+    if not np.issubdtype(w.dtype, np.integer):
+        raise RecipeError(f"calibration token windows must hold integer token ids, got dtype {w.dtype}")
+    n = w.shape[0]
+    b = max(d for d in range(1, min(batch_size, n) + 1) if n % d == 0)
+    return [(w[i:i + b].astype(np.int32),) for i in range(0, n, b)]
+
+
+def model_context(model: Any, params: Params, calibration: Any = None, *, example: Any = None,
+                  blocks: str | None = None, seed: int = 0, progress: bool = False) -> Context:
+    """A :class:`Context` for eqjax's own :class:`~eqjax.models.Model` (token windows as calibration)
+    or for any callable ``fn(params, *args)`` (calibration: an iterable of argument tuples)."""
+    from eqjax.calibrate import as_batches  # noqa: PLC0415
+
+    if model is None:
+        return Context(template=params, seed=seed, progress=progress)
+    if hasattr(model, "apply") and hasattr(model, "config") and hasattr(model, "layer_names"):
+        fn = _model_logits(model)
+        batches = None if calibration is None else window_batches(calibration)
+        if example is None:
+            cfg = model.config
+            max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 8)
+            example = (np.zeros((1, min(8, int(max_pos))), np.int32),)
+        return Context(fn, batches, example, params, blocks, model, seed, progress)
+    if not callable(model):
+        raise RecipeError(f"model= must be an eqjax Model or a callable fn(params, *args), got {type(model).__name__}")
+    batches = None if calibration is None else as_batches(calibration)
+    return Context(model, batches, example, params, blocks, None, seed, progress)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_logits(model: Any) -> Callable[..., Any]:
+    return lambda p, tokens: model.apply(p, tokens)[0]
+
+
 def quantize(
     params: Params,
     recipe: Recipe,
     *,
     model: Any = None,
     calibration: Any = None,
+    example: Any = None,
+    blocks: str | None = None,
     seed: int = 0,
     progress: bool = False,
+    context: Context | None = None,
 ) -> Params:
-    """Run ``recipe``'s steps in order on ``params``; returns the quantized param tree."""
-    ctx = Context(model=model, calibration=calibration, seed=seed, progress=progress)
+    """Run ``recipe``'s steps in order on ``params``; returns the quantized param tree.
+
+    ``model``: eqjax's own ``Model`` (``calibration``: token windows ``[n, T]``) or the model's call
+    ``fn(params, *args)`` (``calibration``: an iterable of argument tuples; ``example``: one argument
+    tuple to trace with when there is no calibration). Without a model only name rules with
+    explicit axes can run.
+    """
+    from eqjax.pytree import flatten_with_paths, unflatten_paths  # noqa: PLC0415
+
+    ctx = context or model_context(model, params, calibration, example=example, blocks=blocks, seed=seed,
+                                   progress=progress)
+    paths, leaves, _ = flatten_with_paths(params)
+    flat = dict(zip(paths, leaves))
     for step in recipe.steps:
         t0 = time.perf_counter()
-        params = step(params, ctx)
+        flat = step(flat, ctx)
         log.info("recipe %s: step %s took %.2fs", recipe.name, step.name, time.perf_counter() - t0)
-    return params
+    return unflatten_paths(flat, params)
 
 
 # method name -> "module:Class"; each class has ``from_config(dict) -> step``.

@@ -1,8 +1,10 @@
 """Named recipes, addressable from Python (:func:`get_recipe`) and the CLI (``--recipe NAME``).
 
-Every linear kernel (``.*/kernel``) is quantized; embeddings and norms stay in float (the tied
-embedding doubles as the LM head). Group-wise recipes store float16 scales (rounded up), the
-per-channel and per-tensor ones float32.
+Every matmul weight is quantized, selected by role (``Rule(".*", spec, role="matmul")``), so the
+recipes apply to any model eqjax can trace; embedding tables (and a tied LM head) and everything that
+is not a matmul weight stay in float. Granularities are role-relative: one scale per output channel,
+or groups along the input. Group-wise recipes store float16 scales (rounded up), the per-channel and
+per-tensor ones float32.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from typing import Callable
 
 from eqjax.methods.rtn import RTN
 from eqjax.numerics import QuantSpec
-from eqjax.qarray import per_channel, per_group, per_tensor
+from eqjax.qarray import per_input_group, per_output_channel, per_tensor
 from eqjax.recipe import Recipe, RecipeError
-from eqjax.rules import LINEAR_KERNELS, Rule
+from eqjax.rules import Rule
 
 __all__ = ["RECIPES", "get_recipe", "recipe_names", "weight_rule"]
 
@@ -27,18 +29,19 @@ def weight_rule(
     calibrator: str = "minmax",
     act_bits: int | None = None,
     act_granularity: str = "token",
-    pattern: str = LINEAR_KERNELS,
+    pattern: str = ".*",
+    role: str = "matmul",
 ) -> Rule:
-    """One rule for all linear kernels: per-channel by default, ``group`` along the input axis."""
+    """One rule for every matmul weight: per output channel by default, ``group`` along the input."""
     if group is not None:
-        gran = per_group(0, group)
+        gran = per_input_group(group)
     elif per_tensor_scale:
         gran = per_tensor()
     else:
-        gran = per_channel(-1)
+        gran = per_output_channel()
     scale_dtype = "float16" if group is not None else "float32"
     spec = QuantSpec(bits, symmetric, gran, calibrator, scale_dtype=scale_dtype)
-    return Rule(pattern, spec, act_bits, act_granularity)
+    return Rule(pattern, spec, act_bits, act_granularity, role)
 
 
 def _rtn(name: str, description: str, rule: Rule) -> Callable[[], Recipe]:

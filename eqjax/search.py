@@ -139,63 +139,37 @@ class Layer:
 
 
 # ------------------------------------------------------------------------------------ statistics
-def _linear_paths(params: Any) -> dict[int, str]:
-    """id(layer dict) -> path of the layer (``.../q_proj``) for every float 2-D ``kernel``."""
-    out: dict[int, str] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, Mapping):
-            k = node.get("kernel")
-            if k is not None and hasattr(k, "ndim") and getattr(k, "ndim", 0) == 2 and not hasattr(k, "bits"):
-                out[id(node)] = prefix
-            for key, v in node.items():
-                if isinstance(v, Mapping):
-                    walk(v, f"{prefix}/{key}" if prefix else key)
-
-    walk(params, "")
-    return out
-
-
-def collect_hessians(model: Any, params: Any, windows: np.ndarray, *, batch_size: int = 2,
+def collect_hessians(model: Any, params: Any, windows: np.ndarray, *, batch_size: int = 8,
                      progress: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
-    """``{layer path: E[x x^T]}`` (float32 ``[in, in]``) of every linear layer's input on ``windows``.
+    """``{weight path: E[x x^T]}`` (float32 ``[K, K]``, the canonical input order) of every float 2-D
+    matmul weight's input on ``windows``, from one block-by-block pass of the float model
+    (:mod:`eqjax.calibrate`)."""
+    from eqjax.recipe import model_context, window_batches  # noqa: PLC0415
+    from eqjax.statistics import xtx  # noqa: PLC0415
 
-    Runs the model eagerly with the linear function of :mod:`eqjax.models.llama`/``gpt2`` wrapped to
-    record its inputs (restored afterwards; not thread-safe).
-    """
-    from eqjax.models import gpt2 as gpt2_mod
-    from eqjax.models import llama as llama_mod
+    ctx = model_context(model, params, None)
+    ctx.batches = window_batches(windows, batch_size)
+    cal = ctx.calibrator("search")
+    from eqjax.pytree import flatten_with_paths  # noqa: PLC0415
 
-    paths = _linear_paths(params)
-    sums: dict[str, jax.Array] = {}
-    counts: dict[str, int] = {}
-    originals = (llama_mod.linear, gpt2_mod.linear)
+    paths, leaves, _ = flatten_with_paths(params)
+    flat = dict(zip(paths, leaves))
+    out: dict[str, np.ndarray] = {}
 
-    @jax.jit
-    def xtx(x2):
-        x2 = x2.astype(jnp.float32)
-        return jnp.matmul(x2.T, x2, precision="highest")
+    def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
+        uses = [u for u in bc.uses if len(u.shape) == 2 and u.contracting == (0,) and hasattr(p[u.path], "ndim")
+                and jnp.issubdtype(p[u.path].dtype, jnp.floating) and cal.analysis.roles[u.path].kind == "matmul"]
+        if uses:
+            st = bc.statistics({"xtx": xtx()}, uses)
+            out.update({path: np.asarray(v["xtx"]) for path, v in st.items()})
+        if progress:
+            progress(f"statistics: block {bc.name}")
+        return p
 
-    def recording(x, layer, **kw):
-        p = paths.get(id(layer))
-        if p is not None:
-            x2 = x.reshape(-1, x.shape[-1])
-            sums[p] = sums[p] + xtx(x2) if p in sums else xtx(x2)
-            counts[p] = counts.get(p, 0) + x2.shape[0]
-        return originals[0](x, layer, **kw)
-
-    windows = np.asarray(windows)
-    llama_mod.linear = gpt2_mod.linear = recording
-    try:
-        for i in range(0, len(windows), batch_size):
-            model.apply(params, jnp.asarray(windows[i:i + batch_size], jnp.int32))
-            if progress:
-                progress(f"statistics: {min(i + batch_size, len(windows))}/{len(windows)} windows")
-    finally:
-        llama_mod.linear, gpt2_mod.linear = originals
-    if not sums:
-        raise ValueError("no linear layer was seen: is this an eqjax Model with float params?")
-    return {p: np.asarray(s) / counts[p] for p, s in sums.items()}
+    cal.run_blocks(flat, per_block, advance="original")
+    if not out:
+        raise ValueError("no float [in, out] matmul weight was seen")
+    return out
 
 
 _fq_cache: dict[tuple, Callable] = {}
@@ -230,7 +204,7 @@ def layer_table(params: Any, hessians: Mapping[str, np.ndarray], candidates: Seq
 
     layers = []
     for n, (path, h) in enumerate(sorted(hessians.items(), key=lambda kv: _natural(kv[0]))):
-        w = jnp.asarray(get_path(params, path + "/kernel"), jnp.float32)
+        w = jnp.asarray(get_path(params, path), jnp.float32)
         k_in = int(w.shape[0])
         seen: dict[tuple, Candidate] = {}
         for c in candidates:
@@ -246,7 +220,7 @@ def layer_table(params: Any, hessians: Mapping[str, np.ndarray], candidates: Seq
             for name, v in zip(("hessian", "relative", "weight"), e):
                 errs[name].append(float(v))
             sizes.append(_qbytes(tuple(w.shape), spec))
-        layers.append(Layer(path + "/kernel", tuple(int(s) for s in w.shape), opts, tuple(sizes),
+        layers.append(Layer(path, tuple(int(s) for s in w.shape), opts, tuple(sizes),
                             {k: tuple(v) for k, v in errs.items()}))
         if progress and (n + 1) % 10 == 0:
             progress(f"sensitivity: {n + 1}/{len(hessians)} layers")

@@ -1,31 +1,30 @@
 """AWQ (Lin et al., 2023): activation-aware per-input-channel weight scaling, then weight clipping.
 
-The step only transforms *float* weights (the function is unchanged by the scaling; clipping changes
-it slightly), so it composes with a quantizer after it: ``AWQ -> RTN`` or ``AWQ -> GPTQ``.
+The step only transforms *float* weights (scaling leaves the function unchanged; clipping changes it
+slightly), so it composes with a quantizer after it: ``AWQ -> RTN`` or ``AWQ -> GPTQ``.
 
-Per block (reference ``llm-awq`` ``auto_scale_block`` / ``auto_clip_block``), for each linear group
-of :attr:`Model.linear_groups` whose predecessor can absorb a scale (norm -> q/k/v, v_proj -> o_proj
-with the scale shared by the query heads of a kv head, norm -> gate/up, up_proj -> down_proj):
+Per block (reference ``llm-awq`` ``auto_scale_block`` / ``auto_clip_block``), for each group of matmul
+weights reading one input whose producer can absorb a per-channel scale (found from the program:
+:func:`eqjax.core.folds.find_fold`; a norm, or another linear such as ``v_proj -> o_proj``, where the
+channels of the query heads sharing a kv head are tied):
 
-* ``x_mean = mean |x|`` per input channel over the calibration tokens;
+* ``x_mean = mean |x|`` per input channel over the calibration tokens (tied channels averaged);
 * for ``r`` in ``{0, 1/n_grid, ..., (n_grid-1)/n_grid}``: ``s = x_mean**r`` (clamped >= 1e-4),
-  ``s /= sqrt(max s * min s)``; loss = output MSE of the group's linears with ``W -> Q(s W) / s``;
-  keep the best ``r`` (``r = 0`` is plain round-to-nearest, so the proxy never gets worse);
-* fold ``s``: the predecessor's output ``/ s`` (norm scale and bias, or a linear's output columns),
-  the linears' kernel rows ``* s``.
+  ``s /= sqrt(max s * min s)``; loss = output error of the group's weights with ``W -> Q(diag(s) W) /
+  s``, quantized in each weight's own layout; keep the best ``r`` (``r = 0`` is plain round to
+  nearest, so the proxy never gets worse);
+* fold ``s``: the producer's output ``/ s``, the weights' input rows ``* s``.
 
-Then for each linear except q/k (whose error passes through the softmax): per group of ``G`` inputs and
-per output channel, shrink ``max|w|`` by ``1 - i / clip_grid`` for ``i < max_shrink * clip_grid`` (the
-reference's 1.00, 0.95, ..., 0.55), keep the ratio minimizing that group's partial-output MSE, and
-clamp the weights to ``[-max, max]``.
+A group whose input has no such producer (e.g. GPT-2's ``gelu`` before ``c_proj``, or an input that is
+also a residual) is not scaled; the step logs which and why. Then, for every weight except those
+whose error passes through a softmax (query / key projections, recognized by name: ``no_clip``), per
+group of ``G`` inputs and per output channel, shrink ``max|w|`` by ``1 - i / clip_grid`` for ``i <
+max_shrink * clip_grid`` and keep the ratio minimizing that group's partial-output error.
 
-Losses use the linear *outputs* through the input second moment: ``||X E||^2 = tr(E^T X^T X E)``, exact
-and independent of the number of calibration tokens (the reference measures the enclosing module's
-output, e.g. the attention output for q/k/v; this is the cheaper per-linear proxy). The next block is
-calibrated on the float model's outputs (reference behaviour). The first ``sink_tokens`` positions
-of every window get ``sink_weight`` in the statistics (see :mod:`eqjax.calibrate`); default: kept.
-Measured on SmolLM2-135M (W4 asym, groups of 96 at the time, 32 x 512 calibration tokens, 8 x 1024 evaluation tokens;
-FP 19.92, RTN 25.28): AWQ -> RTN 23.40 with the first token kept, 23.54 with it excluded.
+Losses use the weight *outputs* through the input second moment: ``||X E||^2 = tr(E^T X^T X E)``,
+exact and independent of the number of calibration tokens (the reference measures the enclosing
+module's output; this is the cheaper per-weight proxy). The next block is calibrated on the float
+model's outputs (reference behaviour).
 """
 
 from __future__ import annotations
@@ -33,147 +32,134 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax import calibrate
-from eqjax.methods.gptq import group_size_for
+from eqjax.core.analysis import WeightUse, from_weight_matrix, matrix_to_slice, slice_to_matrix, weight_matrix
+from eqjax.core.folds import Fold
+from eqjax.errors import InputError
+from eqjax.methods.gptq import group_ids
+from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.pytree import Params, get_path, is_leaf, set_path
-from eqjax.qarray import per_channel, per_group
+from eqjax.qarray import is_quantized, per_input_group, per_output_channel
+from eqjax.rules import Rule, assign
+from eqjax.statistics import abs_sum, xtx
 
-__all__ = ["AWQ", "search_scale", "search_clip", "fold_map", "quant_spec"]
+__all__ = ["AWQ", "search_scale", "search_clip", "apply_fold", "NO_CLIP"]
 
 log = logging.getLogger("eqjax")
 
-
-def quant_spec(in_features: int, bits: int, group_size: int | None, symmetric: bool, scale_dtype: str | None = None) -> QuantSpec:
-    """The RTN spec AWQ assumes for an ``[in, out]`` kernel (group size fitted to ``in``)."""
-    g = group_size_for(in_features, group_size)
-    gran = per_channel(1) if g is None else per_group(0, g)
-    sd = scale_dtype or ("float16" if g is not None else "float32")
-    return QuantSpec(bits, symmetric, gran, "minmax", scale_dtype=sd)
+NO_CLIP = ("q_proj", "k_proj", "c_attn", "query", "key", "wq", "wk", "qkv", "q", "k")
+"""Path components of weights whose output feeds attention scores (their clipping is skipped)."""
 
 
-def _out_err(w: jax.Array, wq: jax.Array, h: jax.Array) -> jax.Array:
-    """``tr(E^T H E)`` with ``E = w - wq`` (``[in, out]``)."""
-    e = w - wq
+def _out_err(e: jax.Array, h: jax.Array) -> jax.Array:
+    """``tr(E^T H E)`` for ``E [K, N]``."""
     return jnp.sum(jnp.matmul(h, e, precision="highest") * e)
 
 
-@functools.partial(jax.jit, static_argnames=("specs", "n_grid"))
-def _scale_losses(ws: tuple, x_mean: jax.Array, h: jax.Array, idx: jax.Array, *, specs: tuple, n_grid: int):
-    """Loss of every grid point: ``[n_grid]``; ``x_mean`` is per *tied* channel, ``idx`` maps inputs to it."""
+def _fq(w2: jax.Array, use: Any, spec: QuantSpec) -> jax.Array:
+    """Fake-quantize a canonical ``[K, N]`` weight in its param's own layout."""
+    return slice_to_matrix(fake_quantize(matrix_to_slice(w2, use), spec), use)
 
+
+@functools.partial(jax.jit, static_argnames=("uses", "specs", "n_grid"))
+def _scale_losses(ws: tuple, x_mean: jax.Array, h: jax.Array, tie: jax.Array, *, uses: tuple, specs: tuple,
+                  n_grid: int) -> jax.Array:
     def loss(r):
         s = jnp.maximum(x_mean**r, 1e-4)
         s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
-        se = s[idx][:, None]
+        se = s[tie][:, None]
         total = 0.0
-        for w, spec in zip(ws, specs):
-            wq = fake_quantize(w * se, spec) / se
-            total = total + _out_err(w, wq, h)
+        for w, u, spec in zip(ws, uses, specs):  # uses: MatrixLayouts (static)
+            total = total + _out_err(w - _fq(w * se, u, spec) / se, h)
         return total
 
-    rs = jnp.arange(n_grid, dtype=jnp.float32) / n_grid
-    return jax.lax.map(loss, rs)
+    return jax.lax.map(loss, jnp.arange(n_grid, dtype=jnp.float32) / n_grid)
 
 
-def search_scale(
-    ws: list[jax.Array], x_mean: jax.Array, h: jax.Array, specs: list[QuantSpec], *, n_grid: int = 20,
-    idx: jax.Array | None = None,
-) -> tuple[jax.Array, float, np.ndarray]:
-    """Best AWQ scale for linears ``ws`` (``[in, out]`` each) sharing an input.
+def search_scale(ws: Sequence[jax.Array], uses: Sequence[WeightUse], specs: Sequence[QuantSpec], x_mean: jax.Array,
+                 h: jax.Array, tie: np.ndarray, *, n_grid: int = 20) -> tuple[jax.Array, float, np.ndarray]:
+    """Best AWQ scale for canonical weights ``ws`` (``[K, N_i]``) sharing an input.
 
-    Args:
-      x_mean: mean |x| per (tied) channel; ``idx [in]`` maps each input to its tied channel (default
-        identity).
-      h: ``X^T X / n`` of the input ``[in, in]``.
-
-    Returns ``(s per tied channel, best r, losses [n_grid])``.
+    ``x_mean``: mean |x| per *tied* channel; ``tie [K]`` maps each input to its tied channel;
+    ``h = X^T X / n [K, K]``. Returns ``(s per tied channel, best r, losses [n_grid])``.
     """
     x_mean = jnp.asarray(x_mean, jnp.float32)
-    if idx is None:
-        idx = jnp.arange(x_mean.shape[0])
-    losses = np.asarray(
-        _scale_losses(tuple(jnp.asarray(w, jnp.float32) for w in ws), x_mean, jnp.asarray(h, jnp.float32),
-                      jnp.asarray(idx), specs=tuple(specs), n_grid=n_grid)
-    )
+    losses = np.asarray(_scale_losses(tuple(jnp.asarray(w, jnp.float32) for w in ws), x_mean,
+                                      jnp.asarray(h, jnp.float32), jnp.asarray(tie), uses=tuple(u.layout for u in uses),
+                                      specs=tuple(specs), n_grid=n_grid))
     if not np.all(np.isfinite(losses)):
-        raise ValueError("awq: non-finite loss in the scale search (check the calibration statistics)")
+        raise InputError("awq: non-finite loss in the scale search (check the calibration data)")
     best = int(np.argmin(losses))
     r = best / n_grid
     s = jnp.maximum(x_mean**r, 1e-4)
-    s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
-    return s, r, losses
+    return s / jnp.sqrt(jnp.max(s) * jnp.min(s)), r, losses
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "ratios"))
-def _clip(w: jax.Array, h: jax.Array, *, spec: QuantSpec, ratios: tuple[float, ...]) -> jax.Array:
-    n_in, n_out = w.shape
-    G = spec.granularity.group_size if spec.granularity.kind == "group" else n_in
-    ng = -(-n_in // G)  # a short last group is zero-padded here; its padding adds no error
-    pad = ng * G - n_in
-    hp = jnp.pad(h, ((0, pad), (0, pad)))
-    hb = jnp.stack([hp[g * G : (g + 1) * G, g * G : (g + 1) * G] for g in range(ng)])  # [ng, G, G]
-    wv = jnp.pad(w, ((0, pad), (0, 0))).reshape(ng, G, n_out)
-    amax = jnp.max(jnp.abs(wv), axis=1, keepdims=True)  # [ng, 1, out]
+@functools.partial(jax.jit, static_argnames=("use", "spec", "ratios", "blocks"))
+def _clip(w2: jax.Array, h: jax.Array, *, use: Any, spec: QuantSpec, ratios: tuple[float, ...],
+          blocks: tuple[tuple[int, ...], ...]) -> jax.Array:
+    idx = jnp.asarray(blocks)  # [B, G] canonical input rows of each grid block, -1 = padding
+    valid = idx >= 0
+    safe = jnp.where(valid, idx, 0)
+    wb = jnp.where(valid[:, :, None], w2[safe], 0.0)  # [B, G, N]
+    hb = jnp.where(valid[:, :, None] & valid[:, None, :], h[safe[:, :, None], safe[:, None, :]], 0.0)
+    amax = jnp.max(jnp.abs(wb), axis=1, keepdims=True)  # [B, 1, N]
 
     def clipped(m):
-        return jnp.clip(wv, -m, m).reshape(ng * G, n_out)[:n_in]
+        c = jnp.clip(wb, -m, m)
+        return jnp.zeros_like(w2).at[safe.reshape(-1)].add(jnp.where(valid[:, :, None], c, 0.0).reshape(-1, w2.shape[1]))
 
     def err(r):
-        e = w - fake_quantize(clipped(amax * r), spec)
-        e = jnp.pad(e, ((0, pad), (0, 0))).reshape(ng, G, n_out)
-        return jnp.einsum("gab,gao,gbo->go", hb, e, e, precision="highest")
+        e = w2 - _fq(clipped(amax * r), use, spec)
+        eb = jnp.where(valid[:, :, None], e[safe], 0.0)
+        return jnp.einsum("bij,bin,bjn->bn", hb, eb, eb, precision="highest")
 
-    errs = jax.lax.map(err, jnp.asarray(ratios, jnp.float32))  # [R, ng, out]
-    best = jnp.asarray(ratios, jnp.float32)[jnp.argmin(errs, axis=0)]  # [ng, out]
+    rs = jnp.asarray(ratios, jnp.float32)
+    errs = jax.lax.map(err, rs)  # [R, B, N]
+    best = rs[jnp.argmin(errs, axis=0)]  # [B, N]
     return clipped(amax * best[:, None, :])
 
 
-def search_clip(w: jax.Array, h: jax.Array, spec: QuantSpec, *, max_shrink: float = 0.5, clip_grid: int = 20) -> jax.Array:
-    """``w [in, out]`` clamped per (group, output channel) to the ``max|w|`` shrink minimizing the
-    group's partial-output error ``e^T H_gg e`` after fake quantization with ``spec``."""
+def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *, max_shrink: float = 0.5,
+                clip_grid: int = 20) -> jax.Array:
+    """``w2 [K, N]`` clamped per (grid block, output) to the ``max|w|`` shrink minimizing the block's
+    partial-output error ``e^T H_bb e`` after fake quantization with ``spec`` (the param's layout)."""
+    gran = spec.granularity
+    dims = tuple(use.shape[a] for a in use.contracting)
+    gid, ng = group_ids(dims, gran.group_size if gran.kind == "group" else None)
+    size = int(np.max(np.bincount(gid)))
+    blocks = tuple(tuple(np.pad(np.flatnonzero(gid == g), (0, size - int(np.sum(gid == g))), constant_values=-1))
+                   for g in range(ng))
     n = max(1, int(round(max_shrink * clip_grid)))
     ratios = tuple(1.0 - i / clip_grid for i in range(n))
-    return _clip(jnp.asarray(w, jnp.float32), jnp.asarray(h, jnp.float32), spec=spec, ratios=ratios)
+    return _clip(jnp.asarray(w2, jnp.float32), jnp.asarray(h, jnp.float32), use=use.layout, spec=spec, ratios=ratios,
+                 blocks=blocks)
 
 
-def fold_map(model: Any, layer_params: Params, prev: str, n_in: int) -> np.ndarray | None:
-    """For a linear predecessor ``prev``: the output column of ``prev`` feeding each of the ``n_in``
-    inputs of the next linears, or None when it cannot be folded."""
-    n_prev = get_path(layer_params, prev + "/kernel").shape[1]
-    c = np.arange(n_in)
-    if n_prev == n_in:
-        return c
-    cfg = model.config
-    if prev.endswith("v_proj") and hasattr(cfg, "n_kv_heads"):
-        hd, g = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
-        if n_prev == cfg.n_kv_heads * hd and n_in == cfg.n_heads * hd:
-            return (c // hd // g) * hd + c % hd
-    if n_prev == 3 * n_in:  # GPT-2 fused c_attn: the last third are the values
-        return 2 * n_in + c
-    return None
+def apply_fold(params: dict[str, Any], fold: Fold, s: jax.Array, tie: np.ndarray) -> dict[str, Any]:
+    """Divide the fold's targets by the per-channel scale (``s`` per tied channel, ``tie [K]``)."""
+    s_k = np.asarray(s, np.float64)[tie]
+    for t in fold.targets:
+        p = np.array(params[t.path], np.float64)
+        div = np.ones(p.shape, np.float64)
+        rows, first = np.unique(t.index, axis=0, return_index=True)
+        sel = [slice(None)] * p.ndim
+        for r, k in zip(rows, first):
+            for a, i in zip(t.axes, r):
+                sel[a] = int(i)
+            div[tuple(sel)] = s_k[k]
+        params[t.path] = jnp.asarray(p / div, jnp.asarray(params[t.path]).dtype)
+    return params
 
 
-def _scale_prev(lp: Params, prev: str, s: jax.Array, cols: np.ndarray | None) -> Params:
-    """Divide the predecessor's output by ``s`` (norm: scale/bias; linear: the columns ``cols``)."""
-    node = get_path(lp, prev)
-    if "scale" in node and "kernel" not in node:
-        lp = set_path(lp, prev + "/scale", (node["scale"].astype(jnp.float32) / s).astype(node["scale"].dtype))
-        if "bias" in node:
-            lp = set_path(lp, prev + "/bias", (node["bias"].astype(jnp.float32) / s).astype(node["bias"].dtype))
-        return lp
-    k = node["kernel"]
-    lp = set_path(lp, prev + "/kernel", k.at[:, cols].set((k[:, cols].astype(jnp.float32) / s).astype(k.dtype)))
-    if "bias" in node:
-        b = node["bias"]
-        lp = set_path(lp, prev + "/bias", b.at[cols].set((b[cols].astype(jnp.float32) / s).astype(b.dtype)))
-    return lp
+def _tied_mean(x: jax.Array, tie: np.ndarray) -> jax.Array:
+    n = int(tie.max()) + 1
+    return jax.ops.segment_sum(x, jnp.asarray(tie), num_segments=n) / np.bincount(tie, minlength=n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,78 +176,77 @@ class AWQ:
     scale_dtype: str | None = None
     sink_tokens: int = 0
     sink_weight: float = 0.0
-    batch_size: int = 8
-    no_clip: tuple[str, ...] = ("q_proj", "k_proj", "c_attn")
+    no_clip: tuple[str, ...] = NO_CLIP
+    pattern: str = ".*"
+    role: str = "matmul"
     name: str = "awq"
     needs_calibration = True
 
     def __post_init__(self) -> None:
-        if not 2 <= int(self.bits) <= 8:
-            raise ValueError(f"awq: bits must be in 2..8, got {self.bits}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+            raise ValueError(f"awq: bits must be an int in 2..8, got {self.bits!r}")
         if self.n_grid < 1 or self.clip_grid < 1 or not 0 < self.max_shrink < 1:
             raise ValueError("awq: n_grid, clip_grid >= 1 and 0 < max_shrink < 1 required")
+        Rule(self.pattern, role=self.role)
 
-    def spec_for(self, in_features: int) -> QuantSpec:
-        return quant_spec(in_features, self.bits, self.group_size, self.symmetric, self.scale_dtype)
+    def spec(self) -> QuantSpec:
+        gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
+        sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
+        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd)
 
-    def transform_layer(self, model: Any, layer_name: str, lp: Params, stats: Mapping[str, Mapping[str, Any]]) -> Params:
-        """Scale and clip one block given its linears' input statistics (``xtx`` and ``abs_mean``)."""
-        h_of = {p: jnp.asarray(st["xtx"], jnp.float32) for p, st in stats.items()}
-        for prev, linears in model.linear_groups:
-            linears = tuple(p for p in linears if p in stats and not is_leaf(get_path(lp, p + "/kernel")))
-            if prev is None or not linears:
-                continue
-            ws = [get_path(lp, p + "/kernel").astype(jnp.float32) for p in linears]
-            n_in = ws[0].shape[0]
-            x_mean = jnp.asarray(stats[linears[0]]["abs_mean"], jnp.float32)
-            h = h_of[linears[0]]
-            cols = None
-            idx = np.arange(n_in)
-            if "/" in prev:  # a linear predecessor
-                fm = fold_map(model, lp, prev, n_in)
-                if fm is None:
-                    log.info("awq: %s: cannot fold a scale into %s; group skipped", layer_name, prev)
+    def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+        cal = ctx.calibrator(self.name)
+        an = cal.analysis
+        chosen, _ = assign(params, (Rule(self.pattern, self.spec(), role=self.role),), an.roles)
+        targets = {p for p in chosen if not is_quantized(params[p])}
+        if not targets:
+            raise InputError(f"{self.name}: no float matmul weight matches pattern {self.pattern!r}")
+        want = {"xtx": xtx(), "abs_mean": abs_sum()}
+        skipped: list[str] = []
+
+        def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
+            uses = [u for u in bc.uses if u.path in targets and not u.batch]
+            if not uses:
+                return p
+            stats = bc.statistics(want, uses, sink_tokens=self.sink_tokens, sink_weight=self.sink_weight)
+            h_of = {u.path: jnp.asarray(stats[u.path]["xtx"], jnp.float32) for u in uses}
+            for group in bc.groups:
+                group = tuple(u for u in group if u in uses)
+                if not group:
                     continue
-                cols, idx = np.unique(fm, return_inverse=True)
-                # tie channels reading the same predecessor column: mean of their |x|
-                x_mean = jax.ops.segment_sum(x_mean, idx, num_segments=len(cols)) / np.bincount(idx)
-            specs = [self.spec_for(n_in) for _ in ws]
-            s, r, _ = search_scale(ws, x_mean, h, specs, n_grid=self.n_grid, idx=jnp.asarray(idx))
-            log.debug("awq: %s %s: r=%.2f", layer_name, linears, r)
-            se = s[idx]
-            lp = _scale_prev(lp, prev, s, cols)
-            for p, w in zip(linears, ws):
-                k = get_path(lp, p + "/kernel")
-                lp = set_path(lp, p + "/kernel", (w * se[:, None]).astype(k.dtype))
-                # the input of p is now x / s: its second moment scales accordingly
-                h_of[p] = h_of[p] / (se[:, None] * se[None, :])
-        if self.clip:
-            for p in stats:
-                k = get_path(lp, p + "/kernel")
-                if is_leaf(k) or any(p.endswith(n) for n in self.no_clip):
+                fold, why = bc.fold(group)
+                if fold is None or any(t.path in {u.path for u in group} for t in fold.targets):
+                    skipped.append(f"{group[0].path}: {why or 'folds into itself'}")
                     continue
-                w = search_clip(k.astype(jnp.float32), h_of[p], self.spec_for(k.shape[0]),
-                                max_shrink=self.max_shrink, clip_grid=self.clip_grid)
-                lp = set_path(lp, p + "/kernel", w.astype(k.dtype))
-        return lp
+                tie = fold.tie
+                ws = [weight_matrix(p[u.path], u).astype(jnp.float32) for u in group]
+                specs = [concrete_spec(self.spec(), an, u.path, u.shape) for u in group]
+                x_mean = _tied_mean(jnp.asarray(stats[group[0].path]["abs_mean"], jnp.float32), tie)
+                s, r, _ = search_scale(ws, group, specs, x_mean, h_of[group[0].path], tie, n_grid=self.n_grid)
+                log.debug("awq: %s %s: r=%.2f", bc.name, [u.path for u in group], r)
+                se = jnp.asarray(s)[jnp.asarray(tie)]
+                p = apply_fold(p, fold, s, tie)
+                for u, w in zip(group, ws):
+                    p[u.path] = from_weight_matrix(w * se[:, None], u, p[u.path])
+                    h_of[u.path] = h_of[u.path] / (se[:, None] * se[None, :])
+            if self.clip:
+                for u in uses:
+                    if any(part in self.no_clip for part in u.path.split("/")):
+                        continue
+                    spec = concrete_spec(self.spec(), an, u.path, u.shape)
+                    w2 = search_clip(weight_matrix(p[u.path], u), h_of[u.path], u, spec,
+                                     max_shrink=self.max_shrink, clip_grid=self.clip_grid)
+                    p[u.path] = from_weight_matrix(w2, u, p[u.path])
+            return p
 
-    def __call__(self, params: Params, ctx: Any) -> Params:
-        ctx.require_calibration(self.name)
-        model = ctx.model
-        want = {"xtx": calibrate.xtx(), "abs_mean": calibrate.abs_sum()}
-
-        def per_layer(layer_name: str, lp: Params, cal: calibrate.LayerCalibration) -> Params:
-            stats = cal.statistics(want, lp)
-            return self.transform_layer(model, layer_name, lp, stats)
-
-        return calibrate.run_layerwise(
-            model, params, ctx.calibration, per_layer, batch_size=self.batch_size,
-            progress=getattr(ctx, "progress", False), sink_tokens=self.sink_tokens,
-            sink_weight=self.sink_weight, advance="original", desc=self.name,
-        )
+        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
+        for msg in dict.fromkeys(skipped):
+            log.warning("awq: not scaled: %s", msg)
+            ctx.report.append((msg.split(":")[0], f"{self.name}: not scaled ({msg.split(': ', 1)[-1]})"))
+        return out
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "AWQ":
         from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
-        return cls(**step_kwargs(cls, d, "awq", exclude=(), tuples=('no_clip',)))
+        return cls(**step_kwargs(cls, d, "awq", exclude=(), tuples=("no_clip",)))

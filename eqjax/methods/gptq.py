@@ -41,13 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-from eqjax import calibrate
-from eqjax.numerics import quantize_with, range_to_qparams
-from eqjax.pytree import Params, get_path, is_leaf, set_path
-from eqjax.qarray import QArray, QArrayError, per_channel, per_group
-from eqjax.rules import LINEAR_KERNELS
+from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
+from eqjax.errors import InputError
+from eqjax.methods.rtn import concrete_spec
+from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams
+from eqjax.qarray import (QArray, QArrayError, is_quantized, per_channel, per_group, per_input_group,
+                          per_output_channel, scale_shape)
+from eqjax.rules import Rule, assign
+from eqjax.statistics import xtx
 
-__all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "group_size_for", "hessian_cholesky"]
+__all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_ids", "group_size_for", "hessian_cholesky"]
 
 log = logging.getLogger("eqjax")
 
@@ -116,14 +119,6 @@ def _qparams(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool, scale_dty
     return scale, s32, z32, zp
 
 
-def _range(w: jax.Array, symmetric: bool) -> tuple[jax.Array, jax.Array]:
-    """Per-row range of ``w [out, k]`` -> ``[out]`` each (eqjax's min/max calibrator)."""
-    if symmetric:
-        a = jnp.max(jnp.abs(w), axis=1)
-        return -a, a
-    return jnp.min(w, axis=1), jnp.max(w, axis=1)
-
-
 def _quant(w, s, z, bits: int, symmetric: bool):
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
@@ -154,132 +149,186 @@ def _gptq_block(w1, u1, s_cols, z_cols, *, bits: int, symmetric: bool):
     return q1, e1
 
 
-@functools.partial(
-    jax.jit, static_argnames=("bits", "symmetric", "group_size", "blocksize", "static", "scale_dtype")
-)
-def _gptq_core(W, U, perm, *, bits: int, symmetric: bool, group_size: int | None, blocksize: int, static: bool,
-               scale_dtype: str):
+@functools.partial(jax.jit, static_argnames=("n_groups", "bits", "symmetric", "blocksize", "static", "scale_dtype", "starts"))
+def _gptq_core(W, U, perm, gid, n_groups, *, bits: int, symmetric: bool, blocksize: int, static: bool,
+               scale_dtype: str, starts: tuple[int, ...]):
     """The whole GPTQ sweep of ``W [out, in]`` (dead inputs already zeroed, original order).
 
     ``U``: upper Cholesky factor of the damped inverse Hessian in permuted order; ``perm``: the
-    permutation (identity without act-order). Returns ``(Q [out, in] original order, stored scales
-    [n_groups, out], stored zero points [n_groups, out] or None)``.
+    permutation; ``gid [in]``: the grid (group) of each input in original order, ``n_groups`` of
+    them (one scale per group and output); ``starts``: the first input of each group (only used
+    without ``static``: the grid is then computed from the error-updated weights when the sweep
+    reaches a lazy block holding the group's start). Returns ``(Q [out, in] original order, stored
+    scales [n_groups, out], stored zero points [n_groups, out] or None)``.
     """
     n_out, n_in = W.shape
-    G = group_size
-    n_groups = 1 if G is None else -(-n_in // G)  # a short last group when G does not divide
 
-    def grid(wcols):
-        lo, hi = _range(wcols, symmetric)
+    def grid_of(wcols_mask_w):
+        w, mask = wcols_mask_w
+        lo = jnp.min(jnp.where(mask, w, jnp.inf), axis=1)
+        hi = jnp.max(jnp.where(mask, w, -jnp.inf), axis=1)
+        if symmetric:
+            a = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+            lo, hi = -a, a
         return _qparams(lo, hi, bits, symmetric, scale_dtype)
 
-    if G is None or static:
-        parts = [grid(W)] if G is None else [grid(W[:, g * G : (g + 1) * G]) for g in range(n_groups)]
-        stored = [p[0] for p in parts]
-        zps = [p[3] for p in parts]
-        s_all = jnp.stack([p[1] for p in parts])
-        z_all = jnp.stack([p[2] for p in parts])
+    def all_grids(w):
+        onehot = jax.nn.one_hot(gid, n_groups, dtype=bool).T  # [n_groups, in]
+        return jax.vmap(lambda m: grid_of((w, m[None, :])))(onehot)
+
+    if static:
+        stored, s_all, z_all, zps = all_grids(W)
     else:
-        stored, zps = [None] * n_groups, [None] * n_groups
-        s_all = jnp.zeros((n_groups, n_out), jnp.float32)
-        z_all = jnp.zeros((n_groups, n_out), jnp.float32)
-    group_of_col = jnp.zeros((n_in,), jnp.int32) if G is None else (perm // G).astype(jnp.int32)
+        stored, s_all, z_all, zps = all_grids(W)  # placeholders, replaced per group below
     Wp = W[:, perm]
+    gp = gid[perm]
     q_blocks = []
     for i1 in range(0, n_in, blocksize):
         i2 = min(i1 + blocksize, n_in)
-        if G is not None and not static:  # groups starting in [i1, i2): grid from the current weights
-            for g in range(-(-i1 // G), -(-i2 // G)):
-                sc, s32, z32, zp = grid(Wp[:, g * G : (g + 1) * G])
-                stored[g], zps[g] = sc, zp
-                s_all = s_all.at[g].set(s32)
-                z_all = z_all.at[g].set(z32)
-        cols = group_of_col[i1:i2]
+        if not static:  # groups starting in [i1, i2): grid from the current (error-updated) weights
+            Wcur = jnp.zeros_like(W).at[:, perm].set(Wp)
+            for g, st in enumerate(starts):
+                if i1 <= st < i2:
+                    sc, s32, z32, zp = grid_of((Wcur, (gid == g)[None, :]))
+                    stored = stored.at[g].set(sc)
+                    s_all = s_all.at[g].set(s32)
+                    z_all = z_all.at[g].set(z32)
+                    if zps is not None:
+                        zps = zps.at[g].set(zp)
+        cols = gp[i1:i2]
         q1, e1 = _gptq_block(Wp[:, i1:i2], U[i1:i2, i1:i2], s_all[cols], z_all[cols], bits=bits, symmetric=symmetric)
         q_blocks.append(q1)
         if i2 < n_in:
             Wp = Wp.at[:, i2:].add(-jnp.matmul(e1, U[i1:i2, i2:], precision="highest"))
     Q = jnp.concatenate(q_blocks, axis=1)
     Q = Q[:, jnp.argsort(perm)]
-    scale = jnp.stack(stored)
-    zp = None if symmetric else jnp.stack(zps)
-    return Q, scale, zp
+    return Q, stored, (None if symmetric else zps)
 
 
-def gptq_quantize(
-    kernel: Any,
+def group_ids(contract_dims: tuple[int, ...], group_size: int | None) -> tuple[np.ndarray, int]:
+    """Group id of each canonical input (contracted axes flattened in order, groups along the last,
+    a short last group per outer index when the group does not divide it) and the number of groups."""
+    k = int(np.prod(contract_dims, dtype=np.int64))
+    if group_size is None:
+        return np.zeros((k,), np.int32), 1
+    dg = contract_dims[-1]
+    g = min(int(group_size), dg)
+    ng = -(-dg // g)
+    idx = np.arange(k)
+    return ((idx // dg) * ng + (idx % dg) // g).astype(np.int32), (k // dg) * ng
+
+
+def gptq_matrix(
+    w2: Any,
     hessian: Any,
+    gid: np.ndarray,
+    n_groups: int,
     *,
     bits: int = 4,
-    group_size: int | None = 128,
     symmetric: bool = False,
     act_order: bool = True,
     static_groups: bool = False,
     percdamp: float = 0.01,
     blocksize: int = 128,
-    scale_dtype: str | None = None,
+    scale_dtype: str = "float16",
     max_damp_tries: int = 4,
     name: str = "kernel",
-) -> QArray:
-    """GPTQ-quantize one ``[in, out]`` kernel given ``H [in, in]`` (any positive multiple of ``X^T X``).
+) -> tuple[np.ndarray, jax.Array, jax.Array | None]:
+    """GPTQ of a canonical weight ``w2 [K, N]`` given ``H [K, K]`` (any positive multiple of ``X^T X``).
 
-    ``group_size`` groups along ``in`` (``None``: one scale per output channel); when it does not divide
-    ``in`` the last group is shorter. Act-order with groups implies static groups. ``scale_dtype``
-    defaults to float16 for groups and float32 per channel (as the RTN recipes). Returns a QArray
-    (``per_group(0, G)`` or ``per_channel(1)``) whose dequantization is exactly GPTQ's result.
+    ``gid [K]`` assigns each input to one of ``n_groups`` grids (one scale per grid and output).
+    Act-order implies static grids (each input keeps the grid of its own group). Returns
+    ``(Q [K, N] float32 on the grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``.
     """
-    w_in = np.asarray(kernel, np.float32)
+    w_in = np.asarray(w2, np.float32)
     if w_in.ndim != 2:
-        raise ValueError(f"{name}: GPTQ needs a 2-D [in, out] kernel, got shape {w_in.shape}")
-    n_in, n_out = w_in.shape
+        raise ValueError(f"{name}: GPTQ needs a [K, N] matrix, got shape {w_in.shape}")
+    n_in, _ = w_in.shape
     h = np.array(hessian, np.float64)
     if h.shape != (n_in, n_in):
-        raise ValueError(f"{name}: Hessian shape {h.shape} does not match the kernel's input width {n_in}")
-    if group_size is not None and not 1 <= group_size <= n_in:
-        raise QArrayError(f"{name}: group size {group_size} must be in 1..{n_in} (the input width)")
+        raise ValueError(f"{name}: Hessian shape {h.shape} does not match the weight's input width {n_in}")
     if blocksize < 1:
         raise ValueError(f"{name}: blocksize must be >= 1")
-    G = group_size
-    if scale_dtype is None:
-        scale_dtype = "float16" if G is not None else "float32"
-    static = static_groups or (act_order and G is not None)
-
+    static = static_groups or act_order or n_groups == 1
     W = w_in.T.copy()  # [out, in], the reference's orientation
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     W[:, dead] = 0.0
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
     u, _ = hessian_cholesky(h[np.ix_(perm, perm)], percdamp, max_damp_tries=max_damp_tries, name=name)
+    starts = tuple(int(np.argmax(gid == g)) for g in range(n_groups)) if not static else ()
     Q, scale, zp = _gptq_core(
-        jnp.asarray(W), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), bits=bits, symmetric=symmetric,
-        group_size=G, blocksize=int(blocksize), static=bool(static), scale_dtype=scale_dtype,
+        jnp.asarray(W), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32),
+        n_groups, bits=bits, symmetric=symmetric, blocksize=int(blocksize), static=bool(static),
+        scale_dtype=scale_dtype, starts=starts,
     )
-    if G is None:
-        gran = per_channel(1)
-        scale = scale.reshape(1, n_out)
-        zp = None if zp is None else zp.reshape(1, n_out)
-    else:
-        gran = per_group(0, G)
-    return _quantize_with(Q.T, scale, zp, bits=bits, granularity=gran)
+    return np.asarray(Q).T, scale, zp
+
+
+def gptq_quantize(kernel: Any, hessian: Any, *, group_size: int | None = 128, scale_dtype: str | None = None,
+                  **kw: Any) -> QArray:
+    """GPTQ of one 2-D ``[in, out]`` kernel (groups along ``in``, a short last group where the group
+    does not divide it); returns a QArray whose dequantization is exactly GPTQ's result."""
+    w = np.asarray(kernel, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"GPTQ needs a 2-D [in, out] kernel, got shape {w.shape}")
+    if group_size is not None and not 1 <= group_size <= w.shape[0]:
+        raise QArrayError(f"group size {group_size} must be in 1..{w.shape[0]} (the input width)")
+    gid, ng = group_ids((w.shape[0],), group_size)
+    sd = scale_dtype or ("float16" if group_size is not None else "float32")
+    Q, scale, zp = gptq_matrix(w, hessian, gid, ng, scale_dtype=sd, **kw)
+    gran = per_channel(1) if group_size is None else per_group(0, group_size)
+    shape = (1, w.shape[1]) if group_size is None else scale.shape
+    return _quantize_with(jnp.asarray(Q), scale.reshape(shape), None if zp is None else zp.reshape(shape),
+                          bits=kw.get("bits", 4), granularity=gran)
 
 
 # One compiled program per shape instead of op-by-op dispatch (GPTQ's values are finite by construction).
 _quantize_with = jax.jit(quantize_with, static_argnames=("bits", "granularity"))
 
 
+def grids_to_param(scale: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
+    """Canonical grids ``[n_groups, N]`` -> the used slice of the param's scale layout for ``gran``
+    (stacked axes of a scanned param have size 1: :func:`place_grid` puts the slice in place)."""
+    shape = list(use.shape)
+    for ax, _ in use.view.index:
+        shape[ax] = 1
+    order = use.contracting + use.free
+    rest = [a for a in range(len(shape)) if a not in order]
+    if gran.kind == "group":
+        dims = [shape[a] for a in use.contracting[:-1]] + [-(-shape[gran.axes[0]] // gran.group_size)]
+    else:
+        dims = [1] * len(use.contracting)
+    t = scale.reshape(dims + [shape[a] for a in use.free] + [1] * len(rest))
+    return jnp.transpose(t, np.argsort(order + tuple(rest)))
+
+
+def place_grid(full: jax.Array | None, part: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
+    """``part`` (a slice's grid) written into the whole param's grid array (created as ones)."""
+    if not use.view.index:
+        return part
+    if full is None:
+        full = jnp.ones(scale_shape(use.shape, gran), part.dtype)
+    start = [0] * len(use.shape)
+    for ax, i in use.view.index:
+        start[ax] = i
+    return jax.lax.dynamic_update_slice(full, part, start)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTQ:
-    """GPTQ recipe step: quantize the float kernels matching ``pattern``, block by block.
+    """GPTQ recipe step: quantize the float matmul weights (role ``matmul`` matching ``pattern``),
+    block by block, each block calibrated on the outputs of the already-quantized blocks.
 
-    Each block is calibrated on the outputs of the already-quantized blocks (reference behaviour).
-    With ``true_sequential`` the linear groups of a block (q/k/v, o, gate/up, down) are also quantized
-    one after another, each calibrated with the earlier groups already quantized (one extra pass per
-    group). The first ``sink_tokens`` positions of every calibration window get ``sink_weight`` in the
-    Hessian (see :mod:`eqjax.calibrate`). Default: keep them (``sink_tokens=0``). Measured on
-    SmolLM2-135M (W4 asym act-order, groups of 96 at the time, 32 x 512 calibration tokens, 8 x 1024 evaluation tokens;
-    FP 19.92, RTN 25.28): first token kept 24.28, first token excluded 28.30. Excluding it lets GPTQ
-    push its compensation into the few channels that carry the sink's huge activation, and the sink
-    token (attended by every later token) then breaks.
+    Weights of any rank: the canonical ``[K, N]`` matrix (contracted axes flattened, groups along the
+    last contracted axis) is quantized and written back in the param's layout. With
+    ``true_sequential`` the input groups of a block (q/k/v, o, gate/up, down) are quantized one after
+    another, each calibrated with the earlier groups already quantized. The first ``sink_tokens``
+    positions of every calibration window get ``sink_weight`` in the Hessian (see
+    :mod:`eqjax.calibrate`). Default: keep them. Measured on SmolLM2-135M (W4 asym act-order, 32 x 512
+    calibration, 8 x 1024 evaluation tokens; FP 19.92, RTN 25.28): first token kept 24.28, excluded
+    28.30: GPTQ then pushes its compensation into the few channels carrying the sink's huge
+    activation, and the sink token (attended by every later token) breaks.
     """
 
     bits: int = 4
@@ -290,73 +339,79 @@ class GPTQ:
     percdamp: float = 0.01
     blocksize: int = 128
     scale_dtype: str | None = None
-    pattern: str = LINEAR_KERNELS
+    pattern: str = ".*"
+    role: str = "matmul"
     sink_tokens: int = 0
     sink_weight: float = 0.0
     true_sequential: bool = False
-    batch_size: int = 8
     name: str = "gptq"
     needs_calibration = True
 
     def __post_init__(self) -> None:
-        if not 2 <= int(self.bits) <= 8:
-            raise ValueError(f"gptq: bits must be in 2..8, got {self.bits}")
-        if self.group_size is not None and int(self.group_size) < 1:
-            raise ValueError(f"gptq: group_size must be >= 1 or None, got {self.group_size}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+            raise ValueError(f"gptq: bits must be an int in 2..8, got {self.bits!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                            or self.group_size < 1):
+            raise ValueError(f"gptq: group_size must be an int >= 1 or None, got {self.group_size!r}")
         if not self.percdamp > 0:
             raise ValueError(f"gptq: percdamp must be > 0, got {self.percdamp}")
-        try:
-            re.compile(self.pattern)
-        except re.error as e:
-            raise ValueError(f"gptq: pattern {self.pattern!r} does not compile: {e}") from None
+        Rule(self.pattern, role=self.role)  # validates the pattern and role
 
-    def _targets(self, layer_name: str, lp: Params) -> tuple[str, ...]:
-        out = []
-        for p in calibrate.linear_paths(lp):
-            k = get_path(lp, p + "/kernel")
-            if is_leaf(k) or not jnp.issubdtype(k.dtype, jnp.floating):
-                continue
-            if re.fullmatch(self.pattern, f"{layer_name}/{p}/kernel"):
-                out.append(p)
-        return tuple(out)
+    def spec(self) -> QuantSpec:
+        gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
+        sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
+        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd)
 
-    def quantize_kernel(self, kernel: Any, hessian: Any, name: str) -> QArray:
-        g = group_size_for(kernel.shape[0], self.group_size)
-        return gptq_quantize(
-            kernel, hessian, bits=self.bits, group_size=g, symmetric=self.symmetric, act_order=self.act_order,
+    def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+        cal = ctx.calibrator(self.name)
+        an = cal.analysis
+        rule = Rule(self.pattern, self.spec(), role=self.role)
+        chosen, _ = assign(params, (rule,), an.roles)
+        targets = {p for p in chosen if not is_quantized(params[p])}
+        if not targets:
+            raise InputError(f"{self.name}: no float matmul weight matches pattern {self.pattern!r}")
+        grids: dict[str, list] = {}
+
+        def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
+            uses = [u for u in bc.uses if u.path in targets]
+            groups = bc.groups if self.true_sequential else [tuple(uses)]
+            for group in groups:
+                group = [u for u in group if u.path in targets]
+                if not group:
+                    continue
+                stats = bc.statistics({"xtx": xtx()}, group, p, sink_tokens=self.sink_tokens,
+                                      sink_weight=self.sink_weight)
+                for u in group:
+                    p[u.path] = self._one(p[u.path], u, 2.0 * np.asarray(stats[u.path]["xtx"], np.float64),
+                                          an, grids)
+            return p
+
+        out = cal.run_blocks(params, per_block, advance="new", progress=ctx.progress, desc=self.name)
+        for path, parts in grids.items():
+            gran, scale, zp = parts
+            out[path] = _quantize_with(jnp.asarray(out[path], jnp.float32), scale, zp, bits=self.bits,
+                                       granularity=gran)
+            out[path] = dataclasses.replace(out[path], dtype=jnp.dtype(params[path].dtype))
+            ctx.report.append((path, f"{self.name}: int{self.bits} {'sym' if self.symmetric else 'asym'} {gran}"))
+        return out
+
+    def _one(self, w: Any, u: WeightUse, h: np.ndarray, an: Any, grids: dict) -> Any:
+        if u.batch:
+            raise InputError(f"{self.name}: {u.path} is used with batch axes; GPTQ needs a plain matmul weight")
+        spec = concrete_spec(self.spec(), an, u.path, u.shape)
+        gran = spec.granularity
+        dims = tuple(u.shape[a] for a in u.contracting)
+        gid, ng = group_ids(dims, gran.group_size if gran.kind == "group" else None)
+        Q2, scale, zp = gptq_matrix(
+            weight_matrix(w, u), h, gid, ng, bits=self.bits, symmetric=self.symmetric, act_order=self.act_order,
             static_groups=self.static_groups, percdamp=self.percdamp, blocksize=self.blocksize,
-            scale_dtype=self.scale_dtype, name=name,
+            scale_dtype=spec.scale_dtype, name=u.path,
         )
-
-    def _sequential_groups(self, model: Any, targets: tuple[str, ...]) -> list[tuple[str, ...]]:
-        if not self.true_sequential:
-            return [targets]
-        groups = [tuple(p for p in lin if p in targets) for _, lin in getattr(model, "linear_groups", ())]
-        seen = {p for g in groups for p in g}
-        groups.append(tuple(p for p in targets if p not in seen))
-        return [g for g in groups if g]
-
-    def __call__(self, params: Params, ctx: Any) -> Params:
-        ctx.require_calibration(self.name)
-        model = ctx.model
-        stat = {"xtx": calibrate.xtx()}
-
-        def per_layer(layer_name: str, lp: Params, cal: calibrate.LayerCalibration) -> Params:
-            targets = self._targets(layer_name, lp)
-            for group in self._sequential_groups(model, targets):
-                stats = cal.statistics(stat, lp, linears=group)
-                for p in group:
-                    k = get_path(lp, p + "/kernel")
-                    h = 2.0 * np.asarray(stats[p]["xtx"], np.float64)
-                    q = self.quantize_kernel(k, h, f"{layer_name}/{p}/kernel")
-                    lp = set_path(lp, p + "/kernel", q)
-            return lp
-
-        return calibrate.run_layerwise(
-            model, params, ctx.calibration, per_layer, batch_size=self.batch_size,
-            progress=getattr(ctx, "progress", False), sink_tokens=self.sink_tokens,
-            sink_weight=self.sink_weight, advance="new", desc=self.name,
-        )
+        old = grids.get(u.path, (None, None, None))
+        sp = place_grid(old[1], grids_to_param(scale, u, gran), u, gran)
+        zpp = None if zp is None else place_grid(old[2], grids_to_param(zp, u, gran), u, gran)
+        grids[u.path] = (gran, sp, zpp)
+        return from_weight_matrix(jnp.asarray(Q2), u, w)
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "GPTQ":

@@ -1,99 +1,76 @@
 """ZeroQuant with layer-by-layer knowledge distillation (LKD).
 
-ZeroQuant quantizes weights group-wise (groups along the input axis) and activations token-wise
-(dynamic int8). LKD then trains each block, one at a time, to match the float teacher:
+ZeroQuant quantizes weights group-wise (groups along the input) and activations token-wise (dynamic
+int8). LKD then trains each block, one at a time, to match the float teacher:
 
-* the teacher is the float block; its input is the float model's hidden states (the streaming
-  calibration advances with the *original* params), its output the target;
-* the student is the same block with every linear's weight and input fake-quantized
-  (:func:`eqjax.numerics.fake_quantize` with ``straight_through=True``, so rounding passes the
-  gradient unchanged), trained with Adam (optax) on the block-output MSE, ``steps`` steps of
-  ``micro_batch`` calibration windows;
-* the trained float weights are then quantized with the same spec (round to nearest) into
-  :class:`~eqjax.linear.ActQuantKernel` s. Per block, the real quantized output error with and
-  without the training is measured on all calibration windows and the better params kept, so LKD
+* the teacher is the float block; its input is the float model's values entering the block (the
+  calibration advances with the *original* params), its outputs the target;
+* the student is the same block with every matmul weight and its input fake-quantized with a
+  straight-through estimator (rounding passes the gradient unchanged), trained with Adam (optax) on
+  the block-output MSE, ``steps`` steps of ``micro_batch`` calibration batches;
+* the trained float weights are then quantized with the same rule (round to nearest) into
+  :class:`~eqjax.qarray.ActQuantKernel` s. Per block, the real quantized output error with and
+  without the training is measured on all calibration batches and the better params kept, so LKD
   never makes a block worse on the calibration set.
 
-The student's fake quantization is injected by swapping the ``linear`` function the model modules
-imported while (and only while) the training step is traced, the same mechanism
-:mod:`eqjax.calibrate` uses to capture linear inputs; the models need no hook for it.
+The student's fake quantization is a dot hook of the program interpreter
+(:func:`eqjax.core.interpret.run`): the model is neither patched nor rewritten.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import sys
+import re
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqjax.calibrate import run_layerwise
+from eqjax.calibrate import block_mse
+from eqjax.core.analysis import WeightUse
+from eqjax.methods.rtn import concrete_spec, quantize_by_rules, zeroquant_rule
 from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.pytree import Params
-from eqjax.methods.rtn import quantize_by_rules, zeroquant_rule
-from eqjax.qarray import per_channel
+from eqjax.qarray import is_quantized
 from eqjax.recipe import RecipeError
 from eqjax.rules import Rule
 
-__all__ = ["ZeroQuantLKD", "zeroquant_rule", "fake_quant_linears"]
+__all__ = ["ZeroQuantLKD", "zeroquant_rule", "fake_quant_hook"]
 
 log = logging.getLogger("eqjax")
 
 
-def _real_linear() -> Callable:
-    return sys.modules["eqjax.linear"].linear
-
-
-def _ste(x: jax.Array, spec: QuantSpec) -> jax.Array:
-    """Straight-through fake quantization: forward ``fake_quantize(x)``, gradient identity.
-
-    Same as ``fake_quantize(x, spec, straight_through=True)``, but the range is computed on
-    ``stop_gradient(x)``: float16 scales are rounded with ``nextafter``, which has no JVP rule.
-    """
+def _ste(x: jax.Array, fq: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Straight-through: forward ``fq(x)``, gradient identity (the range is taken on ``stop_gradient(x)``:
+    float16 scales are rounded with ``nextafter``, which has no JVP rule)."""
     xs = jax.lax.stop_gradient(x)
-    return x + jax.lax.stop_gradient(fake_quantize(xs, spec) - xs)
+    return x + jax.lax.stop_gradient(fq(xs) - xs)
 
 
-@contextlib.contextmanager
-def fake_quant_linears(weight: QuantSpec, act_bits: int | None) -> Iterator[None]:
-    """While active, every float linear in the model modules runs with STE fake-quantized
-    weights (``weight``) and per-token fake-quantized inputs (``act_bits``; None = float inputs).
+def _fake_quant_tokens(x: jax.Array, use: WeightUse, bits: int) -> jax.Array:
+    """Symmetric per-token fake quantization of an activation over its contracted axes."""
+    qmax = 2 ** (bits - 1) - 1
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=use.x_contracting, keepdims=True)
+    s = jnp.where(amax > 0, amax / qmax, 1.0)
+    return (jnp.clip(jnp.round(x.astype(jnp.float32) / s), -qmax, qmax) * s).astype(x.dtype)
 
-    Only meant to be active while a function is *traced* (the jitted result keeps the behaviour).
-    """
-    real = _real_linear()
-    modules = [
-        m for name, m in list(sys.modules.items())
-        if m is not None and name.startswith("eqjax.models") and getattr(m, "linear", None) is real
-    ]
-    act = None if act_bits is None else QuantSpec(act_bits, True, per_channel(0), "absmax")
 
-    def fq_linear(x: jax.Array, layer: Mapping[str, Any], **kw: Any) -> jax.Array:
-        k = layer.get("kernel") if isinstance(layer, Mapping) else None
-        if k is None or not hasattr(k, "dtype") or not jnp.issubdtype(k.dtype, jnp.floating):
-            return real(x, layer, **kw)
-        x2 = x.reshape(-1, x.shape[-1])
-        if act is not None:
-            x2 = _ste(x2, act)
-        w = _ste(k, weight)
-        y = jnp.matmul(x2, w.astype(x2.dtype))
-        if layer.get("bias") is not None:
-            y = y + layer["bias"].astype(y.dtype)
-        return y.astype(x.dtype).reshape(x.shape[:-1] + (k.shape[1],))
+def fake_quant_hook(specs: Mapping[str, QuantSpec], act_bits: int | None) -> Callable:
+    """A dot hook: weights in ``specs`` (by path, concrete granularities) and their inputs
+    (``act_bits`` per token; None = float) fake-quantized with straight-through gradients."""
 
-    for m in modules:
-        m.linear = fq_linear
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.linear = real
+    def hook(use: WeightUse, x: Any, w: Any, default: Callable) -> Any:
+        spec = specs.get(use.path)
+        if spec is None or is_quantized(w):
+            return default(x, w)
+        if act_bits is not None:
+            x = _ste(x, lambda t: _fake_quant_tokens(t, use, act_bits))
+        return default(x, _ste(w, lambda t: fake_quantize(t, spec)))
+
+    return hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +78,14 @@ class ZeroQuantLKD:
     """ZeroQuant W{bits} group-wise + A{act_bits} per token, with layer-by-layer distillation.
 
     Attributes:
-      bits: weight bits (8 or 4 typically); group_size: group along the input axis.
+      bits: weight bits (8 or 4 typically); group_size: group along the input.
       act_bits: activation bits (dynamic per token).
       steps: Adam steps per block (0 = plain ZeroQuant, no distillation).
       lr: Adam learning rate.
-      micro_batch: calibration windows per step.
-      train_norms: also train the block's norm scales/biases (ZeroQuant trains the whole layer).
+      micro_batch: calibration batches per step.
+      train_norms: also train the block's other float params (norm scales, biases).
       keep_better: per block, keep the untrained params when training did not lower the quantized
-        block-output MSE on the calibration windows.
-      batch_size: windows per jitted forward call (statistics, outputs).
+        block-output MSE on the calibration batches.
     """
 
     bits: int = 8
@@ -117,10 +93,9 @@ class ZeroQuantLKD:
     act_bits: int = 8
     steps: int = 100
     lr: float = 5e-5
-    micro_batch: int = 2
+    micro_batch: int = 1
     train_norms: bool = True
     keep_better: bool = True
-    batch_size: int = 8
     name: str = "zeroquant_lkd"
     needs_calibration = True
 
@@ -138,65 +113,79 @@ class ZeroQuantLKD:
     def rule(self) -> Rule:
         return zeroquant_rule(self.bits, self.group_size, self.act_bits)
 
-    def __call__(self, params: Params, ctx: Any) -> Params:
-        ctx.require_calibration(self.name)
-
-        model, rule = ctx.model, self.rule
+    def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+        cal = ctx.calibrator(self.name)
+        an = cal.analysis
         rng = np.random.default_rng(ctx.seed)
         report: dict[str, dict[str, float]] = {}
         object.__setattr__(self, "report", report)  # per-block MSEs, for reports; not part of the hash
 
-        def per_layer(name: str, lp: Params, cal: Any) -> Params:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(lp)[0]:
-                if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
-                    raise RecipeError(f"{name}: ZeroQuantLKD needs float params, found {jax.tree_util.keystr(path)}")
+        def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
-            teacher = cal.outputs(lp)
-            if not bool(jnp.all(jnp.isfinite(teacher))):
-                raise RecipeError(f"{name}: NaN/Inf in the float block's outputs on the calibration windows")
-            q0 = quantize_by_rules(lp, (rule,), warn_unused=False)
-            mse0 = float(jnp.mean(jnp.square(cal.outputs(q0) - teacher)))
+            weights = tuple(dict.fromkeys(u.path for u in bc.uses if not is_quantized(p[u.path])))
+            if not weights:
+                return p
+            rule = dataclasses.replace(self.rule, pattern="|".join(re.escape(w) for w in weights))
+            specs = {w: concrete_spec(rule.weight, an, w, tuple(p[w].shape)) for w in weights}
+            teacher = bc.outputs(p)
+            if not all(bool(jnp.all(jnp.isfinite(o))) for t in teacher for o in t if _is_float(o)):
+                raise RecipeError(f"{bc.name}: NaN/Inf in the float block's outputs on the calibration data")
+            q0 = quantize_by_rules(p, (rule,), ctx, warn_unused=False, step=self.name, report=False)
+            mse0 = block_mse(bc.outputs(q0), teacher)
             if self.steps == 0:
-                report[name] = {"mse_rtn": mse0}
+                report[bc.name] = {"mse_rtn": mse0}
                 return q0
-            trained = self._train(model, cal, lp, teacher, rule, rng)
-            q1 = quantize_by_rules(trained, (rule,), warn_unused=False)
-            mse1 = float(jnp.mean(jnp.square(cal.outputs(q1) - teacher)))
-            report[name] = {"mse_rtn": mse0, "mse_lkd": mse1, "seconds": time.perf_counter() - t0}
-            log.info("lkd %s: block mse %.3e -> %.3e (%.1fs)", name, mse0, mse1, time.perf_counter() - t0)
+            trained = self._train(bc, p, teacher, specs, weights, rng)
+            q1 = quantize_by_rules(trained, (rule,), ctx, warn_unused=False, step=self.name, report=False)
+            mse1 = block_mse(bc.outputs(q1), teacher)
+            report[bc.name] = {"mse_rtn": mse0, "mse_lkd": mse1, "seconds": time.perf_counter() - t0}
+            log.info("lkd %s: block mse %.3e -> %.3e (%.1fs)", bc.name, mse0, mse1, time.perf_counter() - t0)
             if self.keep_better and not mse1 < mse0:
                 return q0
             return q1
 
-        return run_layerwise(
-            model, params, ctx.calibration, per_layer, batch_size=self.batch_size, progress=ctx.progress,
-            advance="original", desc=self.name,
-        )
+        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
+        for path, leaf in out.items():
+            if is_quantized(leaf) and not is_quantized(params[path]):
+                ctx.report.append((path, f"{self.name}: int{self.bits} group {self.group_size} + A{self.act_bits}"))
+        return out
 
-    def _train(self, model: Any, cal: Any, lp: Params, teacher: jax.Array, rule: Rule, rng: np.random.Generator) -> Params:
+    def _train(self, bc: Any, p: dict[str, Any], teacher: list[list[Any]], specs: Mapping[str, QuantSpec],
+               weights: tuple[str, ...], rng: np.random.Generator) -> dict[str, Any]:
         """Adam on the block-output MSE of the fake-quantized student; returns trained float params."""
-        labels = jax.tree_util.tree_map_with_path(
-            lambda p, _: "train" if self.train_norms or jax.tree_util.keystr(p).endswith("['kernel']") else "freeze", lp
-        )
-        opt = optax.multi_transform({"train": optax.adam(self.lr), "freeze": optax.set_to_zero()}, labels)
-        i, wspec, abits = cal.layer_index, rule.weight, rule.act_bits
+        fn = bc.function(fake_quant_hook(specs, self.act_bits))
+        paths = bc.param_paths()
+        train = [q for q in paths if q in weights or (self.train_norms and _is_float(p[q]) and not is_quantized(p[q]))]
+        frozen = {q: p[q] for q in paths if q not in train}
+        opt = optax.adam(self.lr)
 
-        def loss_fn(p: Params, h: jax.Array, y: jax.Array) -> jax.Array:
-            pos = model.positions(h.shape[0], h.shape[1])
-            with fake_quant_linears(wspec, abits):  # active while tracing only
-                out, _ = model.block(p, h, pos, layer_index=i)
-            return jnp.mean(jnp.square(out.astype(jnp.float32) - y.astype(jnp.float32)))
+        def loss_fn(tp, ins_list, targets_list):
+            total = 0.0
+            for ins, targets in zip(ins_list, targets_list):
+                outs = fn({**frozen, **tp}, ins)
+                for o, t in zip(outs, targets):
+                    if _is_float(o):
+                        total = total + jnp.mean(jnp.square(o.astype(jnp.float32) - t.astype(jnp.float32)))
+            return total / len(ins_list)
 
         @jax.jit
-        def step(p, state, h, y):
-            loss, g = jax.value_and_grad(loss_fn)(p, h, y)
-            upd, state = opt.update(g, state, p)
-            return optax.apply_updates(p, upd), state, loss
+        def step(tp, state, ins_list, targets_list):
+            loss, g = jax.value_and_grad(loss_fn)(tp, ins_list, targets_list)
+            upd, state = opt.update(g, state, tp)
+            return optax.apply_updates(tp, upd), state, loss
 
-        p, state = lp, opt.init(lp)
-        n = cal.n_windows
+        tp = {q: p[q] for q in train}
+        state = opt.init(tp)
+        inputs = bc.inputs()
+        n = len(inputs)
         mb = min(self.micro_batch, n)
         for _ in range(self.steps):
             idx = np.sort(rng.choice(n, mb, replace=False))
-            p, state, _loss = step(p, state, cal.inputs[idx], teacher[idx])
-        return p
+            tp, state, _loss = step(tp, state, [inputs[i] for i in idx], [teacher[i] for i in idx])
+        return {**p, **tp}
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+

@@ -1,9 +1,12 @@
 """Round-to-nearest weight quantization driven by rules, and the seed's methods built on it.
 
-* :class:`RTN`: the step every recipe ends with: quantize each parameter its rule picks (QArray),
-  wrapping it in an :class:`~eqjax.linear.ActQuantKernel` when the rule quantizes activations.
-* :func:`absmax`, :func:`zero_point`, :func:`symmetric`, :func:`zeroquant`: the seed's methods as
-  pure functions ``params -> qparams``.
+* :class:`RTN`: the step most recipes end with: quantize each param its rule picks (QArray),
+  wrapping it in an :class:`~eqjax.qarray.ActQuantKernel` when the rule quantizes activations.
+  Role-relative granularities are resolved against how the model uses each weight
+  (:mod:`eqjax.core.roles`); a rule matching a param that is not a matmul weight or an embedding
+  table, or one already quantized by an earlier step, is an error naming it.
+* :func:`absmax_rule`, :func:`zero_point_rule`, :func:`symmetric_rule`, :func:`zeroquant_rule`: the
+  seed's methods as rules over every matmul weight.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from eqjax.linear import ActQuantKernel
+from eqjax.core.roles import check_quantizable, resolve_granularity, weight_layout
+from eqjax.errors import InputError
 from eqjax.numerics import QuantSpec, quantize
-from eqjax.pytree import Params, is_leaf, map_with_path
-from eqjax.qarray import per_channel, per_group, per_tensor
-from eqjax.rules import LINEAR_KERNELS, Rule, assign, rule_from_dict
+from eqjax.qarray import ActQuantKernel, is_quantized, per_input_group, per_output_channel, per_tensor
+from eqjax.rules import Rule, assign, rule_from_dict
 
-__all__ = ["RTN", "quantize_by_rules", "absmax", "zero_point", "symmetric", "zeroquant", "zeroquant_rule"]
+__all__ = [
+    "RTN", "UnusedRuleWarning", "quantize_by_rules", "concrete_spec", "absmax_rule", "zero_point_rule",
+    "symmetric_rule", "zeroquant_rule",
+]
 
 log = logging.getLogger("eqjax")
 
@@ -30,30 +36,49 @@ class UnusedRuleWarning(UserWarning):
     """A rule matched no parameter."""
 
 
-def quantize_by_rules(params: Params, rules: tuple[Rule, ...], *, warn_unused: bool = True) -> Params:
-    """Quantize every float parameter whose first matching rule has a weight spec."""
-    chosen, unused = assign(params, rules)
+def concrete_spec(spec: QuantSpec, an: Any, path: str, shape: tuple[int, ...]) -> QuantSpec:
+    """``spec`` with its granularity resolved for the param ``path`` of ``shape``."""
+    gran = resolve_granularity(spec.granularity, weight_layout(an, path, shape), shape, path)
+    return dataclasses.replace(spec, granularity=gran)
+
+
+def quantize_by_rules(params: Mapping[str, Any], rules: tuple[Rule, ...], ctx: Any = None, *,
+                      warn_unused: bool = True, step: str = "rtn", report: bool = True) -> dict[str, Any]:
+    """Quantize every param (by path) whose first matching rule has a weight spec.
+
+    ``ctx`` (a :class:`~eqjax.recipe.Context`) gives the model's analysis (roles, layouts); with
+    ``report`` what was done is appended to ``ctx.report``.
+    """
+    an = None if ctx is None else ctx.analysis
+    chosen, unused = assign(params, rules, None if an is None else an.roles)
     if unused and warn_unused:
-        warnings.warn(
-            "rules matched no parameter: " + ", ".join(repr(r.pattern) for r in unused),
-            UnusedRuleWarning,
-            stacklevel=2,
-        )
-
-    def one(path: str, leaf: Any) -> Any:
-        rule = chosen.get(path)
-        if rule is None or rule.weight is None or is_leaf(leaf):
-            return leaf
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise TypeError(f"{path}: rule {rule.pattern!r} matched a non-float parameter ({leaf.dtype})")
-        q = quantize(leaf, rule.weight, name=path)
-        if rule.act_bits is None:
-            return q
-        if leaf.ndim != 2:
-            raise ValueError(f"{path}: activation quantization needs a 2-D [in, out] kernel, got {leaf.shape}")
-        return ActQuantKernel(q, None, rule.act_bits, rule.act_granularity)
-
-    return map_with_path(one, params)
+        warnings.warn("rules matched no parameter: " + ", ".join(repr(r.pattern) for r in unused),
+                      UnusedRuleWarning, stacklevel=2)
+    out = dict(params)
+    for path, rule in chosen.items():
+        if rule.weight is None:
+            continue
+        leaf = params[path]
+        if is_quantized(leaf):
+            raise InputError(f"{step}: {path} is already quantized (by an earlier step); a recipe quantizes each "
+                             "param once — exclude it from this step's rules")
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise InputError(f"{path}: rule {rule.pattern!r} matched a non-float parameter "
+                             f"({getattr(leaf, 'dtype', type(leaf).__name__)})")
+        role = check_quantizable(an, path, rule.pattern)
+        spec = concrete_spec(rule.weight, an, path, tuple(leaf.shape))
+        q = quantize(leaf, spec, name=path)
+        if rule.act_bits is not None:
+            if an is not None and (role is None or not an.uses_of(path)):
+                raise InputError(f"{path}: activation quantization needs a matmul weight")
+            if an is None and leaf.ndim != 2:
+                raise InputError(f"{path}: activation quantization without the model needs a 2-D [in, out] kernel")
+            q = ActQuantKernel(q, None, rule.act_bits, rule.act_granularity)
+        out[path] = q
+        if ctx is not None and report:
+            ctx.report.append((path, f"{step}: int{spec.bits} {'sym' if spec.symmetric else 'asym'} {spec.granularity}"
+                               + (f" + A{rule.act_bits}" if rule.act_bits else "")))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,47 +89,36 @@ class RTN:
     name: str = "rtn"
     needs_calibration = False
 
-    def __call__(self, params: Params, ctx: Any = None) -> Params:
-        return quantize_by_rules(params, self.rules)
+    def __call__(self, params: Mapping[str, Any], ctx: Any = None) -> dict[str, Any]:
+        return quantize_by_rules(params, self.rules, ctx, step=self.name)
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "RTN":
         d = dict(d)
         rules = d.pop("rules", None)
-        if not rules:
+        if not rules or not isinstance(rules, list):
             raise ValueError("an 'rtn' step needs a non-empty 'rules' list")
         if d:
             raise ValueError(f"unknown 'rtn' key(s): {sorted(d)}")
         return cls(tuple(rule_from_dict(r) for r in rules))
 
 
-def absmax(params: Params, bits: int = 8, pattern: str = LINEAR_KERNELS) -> Params:
-    """Seed method: per-tensor symmetric absmax weight quantization."""
-    return quantize_by_rules(params, (Rule(pattern, QuantSpec(bits, True, per_tensor(), "absmax")),))
+def absmax_rule(bits: int = 8) -> Rule:
+    """Seed method: per-tensor symmetric absmax weight quantization of every matmul weight."""
+    return Rule(".*", QuantSpec(bits, True, per_tensor(), "absmax"), role="matmul")
 
 
-def zero_point(params: Params, bits: int = 8, pattern: str = LINEAR_KERNELS) -> Params:
+def zero_point_rule(bits: int = 8) -> Rule:
     """Seed method: per-tensor asymmetric (min/max, integer zero point) weight quantization."""
-    return quantize_by_rules(params, (Rule(pattern, QuantSpec(bits, False, per_tensor(), "minmax")),))
+    return Rule(".*", QuantSpec(bits, False, per_tensor(), "minmax"), role="matmul")
 
 
-def symmetric(params: Params, bits: int = 8, pattern: str = LINEAR_KERNELS) -> Params:
+def symmetric_rule(bits: int = 8) -> Rule:
     """Seed method: symmetric weight quantization, one scale per output channel."""
-    return quantize_by_rules(params, (Rule(pattern, QuantSpec(bits, True, per_channel(-1), "absmax")),))
+    return Rule(".*", QuantSpec(bits, True, per_output_channel(), "absmax"), role="matmul")
 
 
-def zeroquant_rule(
-    bits: int = 8, group_size: int = 64, act_bits: int = 8, *, pattern: str = r".*/kernel",
-    scale_dtype: str = "float16",
-) -> Rule:
+def zeroquant_rule(bits: int = 8, group_size: int = 64, act_bits: int = 8, *, scale_dtype: str = "float16") -> Rule:
     """ZeroQuant's rule: group-wise symmetric weights (groups along the input) + A8 per token."""
-    spec = QuantSpec(bits, True, per_group(0, group_size), "absmax", scale_dtype=scale_dtype)
-    return Rule(pattern, spec, act_bits, "token")
-
-
-def zeroquant(
-    params: Params, bits: int = 8, group_size: int = 64, act_bits: int = 8, pattern: str = LINEAR_KERNELS
-) -> Params:
-    """ZeroQuant: group-wise symmetric weights (groups along the input) + token-wise dynamic activations."""
-    sd = "float16" if bits <= 4 else "float32"
-    return quantize_by_rules(params, (zeroquant_rule(bits, group_size, act_bits, pattern=pattern, scale_dtype=sd),))
+    spec = QuantSpec(bits, True, per_input_group(group_size), "absmax", scale_dtype=scale_dtype)
+    return Rule(".*", spec, act_bits, "token", role="matmul")

@@ -1,15 +1,16 @@
 """SmoothQuant: migrate activation outliers into the weights with a per-input-channel scale.
 
-For each group of linears that read one input (q/k/v after ``attn_norm``, gate/up after
-``mlp_norm``; GPT-2's ``ln_1 -> c_attn``, ``ln_2 -> c_fc``), per input channel ``j``::
+For each group of matmul weights reading one input that a norm produces (found from the program:
+:func:`eqjax.core.folds.find_fold`; q/k/v after the attention norm, gate/up after the MLP norm,
+GPT-2's ``ln_1 -> c_attn``, ``ln_2 -> c_fc``, or a user model's equivalents), per input channel ``j``::
 
     s_j = max|X_j|**alpha / max|W_j|**(1 - alpha)      (clamped >= 1e-5)
 
-with ``max|W_j|`` over the concatenated output columns of the group's kernels and ``max|X_j|`` over
-the calibration tokens. The scale is folded: the preceding norm's ``scale`` (and ``bias``) is divided
-by ``s``, the kernels' input rows multiplied by ``s``, so the float function is unchanged; the
-activations then have flatter channels and W8A8 loses less. ``smooth_down`` also smooths
-``down_proj`` through ``up_proj`` (``silu(gate) * up`` is linear in ``up``); the reference does not.
+with ``max|W_j|`` over every output of the group's weights and ``max|X_j|`` over the calibration
+tokens. The scale is folded: the norm's scale (and bias) divided by ``s``, the weights' input rows
+multiplied by ``s``, so the float function is unchanged; the activations then have flatter
+channels and W8A8 loses less. ``smooth_linear`` also smooths groups fed by another linear
+(``up_proj -> down_proj`` through the gated product, ``v_proj -> o_proj``); the reference does not.
 
 This step only transforms float params. W8A8 follows as a separate step::
 
@@ -24,95 +25,42 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.calibrate import Statistic, absmax, run_layerwise
+from eqjax.calibrate import block_mse
+from eqjax.core.analysis import from_weight_matrix, weight_matrix
+from eqjax.errors import InputError
+from eqjax.methods.awq import apply_fold
 from eqjax.numerics import QuantSpec
-from eqjax.pytree import Params, get_path, set_path
-from eqjax.qarray import per_channel
+from eqjax.qarray import is_quantized, per_output_channel
 from eqjax.recipe import RecipeError
 from eqjax.rules import Rule
+from eqjax.statistics import absmax, nonfinite
 
-__all__ = ["SmoothQuant", "smooth_scales", "fold_scales", "smoothing_groups", "W8A8_RULE"]
+__all__ = ["SmoothQuant", "smooth_scales", "W8A8_RULE"]
 
 log = logging.getLogger("eqjax")
 
-W8A8_RULE = Rule(r".*/kernel", QuantSpec(8, True, per_channel(-1), "minmax"), 8, "token")
+W8A8_RULE = Rule(".*", QuantSpec(8, True, per_output_channel(), "minmax"), 8, "token", role="matmul")
 """Per-output-channel int8 weights + per-token dynamic int8 activations (the SmoothQuant setting)."""
 
 _MIN = 1e-5
 
 
-def _nonfinite() -> Statistic:
-    """Number of NaN/Inf entries seen (XLA's max may drop NaN, so absmax alone cannot tell)."""
-    return Statistic(
-        "nonfinite",
-        lambda f: jnp.zeros((), jnp.float32),
-        lambda s, x, w: s + jnp.sum(~jnp.isfinite(x.astype(jnp.float32))).astype(jnp.float32),
-        "sum",
-    )
-
-
-def smoothing_groups(model: Any, *, smooth_down: bool = False) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The ``(prev, linears)`` groups SmoothQuant folds: those after a norm (+ up -> down if asked)."""
-    out = []
-    for prev, names in model.linear_groups:
-        if prev is None:
-            continue
-        if "/" not in prev or (smooth_down and prev == "mlp/up_proj" and names == ("mlp/down_proj",)):
-            out.append((prev, tuple(names)))
-    return tuple(out)
-
-
-def smooth_scales(x_absmax: jax.Array, kernels: list, alpha: float) -> jax.Array:
-    """``s = max|X|**alpha / max|W|**(1 - alpha)`` per input channel (float32 ``[in]``, >= 1e-5)."""
-    w_max = jnp.max(jnp.concatenate([jnp.abs(jnp.asarray(k, jnp.float32)) for k in kernels], axis=1), axis=1)
+def smooth_scales(x_absmax: Any, w_absmax: Any, alpha: float) -> jax.Array:
+    """``s = max|X|**alpha / max|W|**(1 - alpha)`` per input channel (float32, >= 1e-5)."""
     x = jnp.maximum(jnp.asarray(x_absmax, jnp.float32), _MIN)
-    w = jnp.maximum(w_max, _MIN)
+    w = jnp.maximum(jnp.asarray(w_absmax, jnp.float32), _MIN)
     return jnp.maximum(x**alpha / w ** (1.0 - alpha), _MIN)
 
 
-def _check_float(node: Any, where: str) -> jax.Array:
-    if not hasattr(node, "dtype") or not jnp.issubdtype(node.dtype, jnp.floating):
-        raise RecipeError(
-            f"{where}: SmoothQuant needs float params (run it before RTN/GPTQ); found {type(node).__name__}"
-        )
-    return node
-
-
-def fold_scales(layer_params: Params, prev: str, linears: tuple[str, ...], s: jax.Array, *, layer: str = "") -> Params:
-    """Divide ``prev``'s output by ``s`` and multiply each linear's input rows by ``s`` (exact in float)."""
-    s = jnp.asarray(s, jnp.float32)
-    lp = layer_params
-    try:
-        prev_node = get_path(lp, prev)
-    except KeyError:
-        raise RecipeError(f"{layer}: SmoothQuant needs the op before {linears} ({prev!r}) but it is missing") from None
-    if "/" not in prev:  # a norm: scale (and bias)
-        if "scale" not in prev_node:
-            raise RecipeError(f"{layer}/{prev}: not a norm with a 'scale' to fold the smoothing scale into")
-        for name in ("scale", "bias"):
-            if name in prev_node:
-                v = _check_float(prev_node[name], f"{layer}/{prev}/{name}")
-                lp = set_path(lp, f"{prev}/{name}", (v.astype(jnp.float32) / s).astype(v.dtype))
-    else:  # a linear: its output columns (and bias)
-        k = _check_float(prev_node["kernel"], f"{layer}/{prev}/kernel")
-        if k.shape[1] != s.shape[0]:
-            raise RecipeError(f"{layer}/{prev}: {k.shape[1]} outputs cannot feed {linears} with {s.shape[0]} inputs")
-        lp = set_path(lp, f"{prev}/kernel", (k.astype(jnp.float32) / s[None, :]).astype(k.dtype))
-        if "bias" in prev_node:
-            b = prev_node["bias"]
-            lp = set_path(lp, f"{prev}/bias", (b.astype(jnp.float32) / s).astype(b.dtype))
-    for name in linears:
-        k = _check_float(get_path(lp, name + "/kernel"), f"{layer}/{name}/kernel")
-        if k.shape[0] != s.shape[0]:
-            raise RecipeError(f"{layer}/{name}: kernel has {k.shape[0]} inputs, smoothing scale has {s.shape[0]}")
-        lp = set_path(lp, name + "/kernel", (k.astype(jnp.float32) * s[:, None]).astype(k.dtype))
-    return lp
+def _tied_max(x: jax.Array, tie: np.ndarray) -> jax.Array:
+    return jax.ops.segment_max(jnp.asarray(x), jnp.asarray(tie), num_segments=int(tie.max()) + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +71,15 @@ class SmoothQuant:
       alpha: migration strength (0.5 OPT-like, 0.8-0.85 Llama-like).
       search: choose alpha per block from ``alphas`` by W8A8 block-output MSE on the calibration set.
       alphas: the search grid.
-      smooth_down: also smooth ``down_proj`` via ``up_proj`` (Llama family only).
+      smooth_linear: also smooth groups whose input comes from another linear (not only from a norm).
       sink_tokens: exclude the first positions of every window from ``max|X|`` (0 = reference).
-      batch_size: calibration windows per jitted call.
     """
 
     alpha: float = 0.85
     search: bool = False
     alphas: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
-    smooth_down: bool = False
+    smooth_linear: bool = False
     sink_tokens: int = 0
-    batch_size: int = 8
     name: str = "smoothquant"
     needs_calibration = True
 
@@ -145,58 +91,77 @@ class SmoothQuant:
     def from_config(cls, d: Mapping[str, Any]) -> "SmoothQuant":
         from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
-        return cls(**step_kwargs(cls, d, "smoothquant", tuples=('alphas',)))
+        return cls(**step_kwargs(cls, d, "smoothquant", tuples=("alphas",)))
 
-    def __call__(self, params: Params, ctx: Any) -> Params:
-        ctx.require_calibration(self.name)
-        model = ctx.model
-        groups = smoothing_groups(model, smooth_down=self.smooth_down)
-        if not groups:
-            raise RecipeError(f"{self.name}: the model has no linear group after a norm to smooth")
-        targets = tuple(n for _, names in groups for n in names)
+    def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+        cal = ctx.calibrator(self.name)
         chosen: dict[str, float] = {}
         object.__setattr__(self, "chosen_alphas", chosen)  # for reports; not part of the hash
+        skipped: list[str] = []
+        n_groups = [0]
 
-        def per_layer(name: str, lp: Params, cal: Any) -> Params:
-            for prev, names in groups:
-                for p in (prev, *names):
-                    try:
-                        get_path(lp, p)
-                    except KeyError:
-                        raise RecipeError(
-                            f"{name}: SmoothQuant expects {p!r} in the block (groups {groups}); wrong param tree?"
-                        ) from None
-                for n in names:
-                    _check_float(get_path(lp, n + "/kernel"), f"{name}/{n}/kernel")
-            stats = cal.statistics({"absmax": absmax(), "nonfinite": _nonfinite()}, lp, linears=targets)
-            xmax = {}
-            for prev, names in groups:
-                a = np.asarray(stats[names[0]]["absmax"])
-                if not np.isfinite(a).all() or float(stats[names[0]]["nonfinite"]) > 0:
-                    raise RecipeError(f"{name}: NaN/Inf in the calibration activations entering {names}")
-                xmax[prev] = a
+        def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
+            plan = []
+            for group in bc.groups:
+                if any(is_quantized(p[u.path]) or u.batch for u in group):
+                    continue
+                fold, why = bc.fold(group)
+                if fold is None or (fold.kind == "linear" and not self.smooth_linear):
+                    skipped.append(f"{group[0].path}: {why or 'fed by a linear (smooth_linear=False)'}")
+                    continue
+                plan.append((group, fold))
+            if not plan:
+                return p
+            uses = [u for g, _ in plan for u in g]
+            stats = bc.statistics({"absmax": absmax(), "nonfinite": nonfinite()}, uses, sink_tokens=self.sink_tokens,
+                                  sink_weight=0.0)
+            for g, _ in plan:
+                a = np.asarray(stats[g[0].path]["absmax"])
+                if not np.isfinite(a).all() or float(stats[g[0].path]["nonfinite"]) > 0:
+                    raise RecipeError(f"{bc.name}: NaN/Inf in the calibration activations entering "
+                                      f"{[u.path for u in g]}")
             alphas = self.alphas if self.search else (self.alpha,)
             best, best_err, ref = None, np.inf, None
             for alpha in alphas:
-                new = lp
-                for prev, names in groups:
-                    s = smooth_scales(xmax[prev], [get_path(lp, n + "/kernel") for n in names], alpha)
-                    new = fold_scales(new, prev, names, s, layer=name)
+                new = dict(p)
+                for group, fold in plan:
+                    tie = fold.tie
+                    ws = [weight_matrix(p[u.path], u).astype(jnp.float32) for u in group]
+                    w_max = jnp.max(jnp.concatenate([jnp.abs(w) for w in ws], axis=1), axis=1)
+                    x_max = stats[group[0].path]["absmax"]
+                    s = smooth_scales(_tied_max(x_max, tie), _tied_max(w_max, tie), alpha)
+                    new = apply_fold(new, fold, s, tie)
+                    se = s[jnp.asarray(tie)]
+                    for u, w in zip(group, ws):
+                        new[u.path] = from_weight_matrix(w * se[:, None], u, p[u.path])
                 if len(alphas) == 1:
+                    n_groups[0] += len(plan)
                     return new
                 from eqjax.methods.rtn import quantize_by_rules  # noqa: PLC0415
 
                 if ref is None:
-                    ref = cal.outputs(lp)
-                q = quantize_by_rules(new, (W8A8_RULE,), warn_unused=False)
-                err = float(jnp.mean(jnp.square(cal.outputs(q) - ref)))
-                log.debug("smoothquant %s alpha %.2f block mse %.3e", name, alpha, err)
+                    ref = bc.outputs(p)
+                paths = {u.path for u in uses}
+                rule = dataclasses.replace(W8A8_RULE, pattern="|".join(map(_escape, sorted(paths))))
+                q = quantize_by_rules(new, (rule,), ctx, warn_unused=False, step=self.name, report=False)
+                err = block_mse(bc.outputs(q), ref)
+                log.debug("smoothquant %s alpha %.2f block mse %.3e", bc.name, alpha, err)
                 if err < best_err:
                     best, best_err = (alpha, new), err
-            chosen[name] = best[0]
+            chosen[bc.name] = best[0]
+            n_groups[0] += len(plan)
             return best[1]
 
-        return run_layerwise(
-            model, params, ctx.calibration, per_layer, batch_size=self.batch_size, progress=ctx.progress,
-            sink_tokens=self.sink_tokens, advance="original", desc=self.name,
-        )
+        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
+        if n_groups[0] == 0:
+            raise InputError(f"{self.name}: no group of matmul weights is fed by a norm it could fold into "
+                             f"({'; '.join(dict.fromkeys(skipped)) or 'no float matmul weights'})")
+        for msg in dict.fromkeys(skipped):
+            log.info("smoothquant: not smoothed: %s", msg)
+            ctx.report.append((msg.split(":")[0], f"{self.name}: not smoothed ({msg.split(': ', 1)[-1]})"))
+        return out
+
+
+def _escape(p: str) -> str:
+    return re.escape(p)
+

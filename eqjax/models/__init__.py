@@ -86,29 +86,6 @@ class Model:
         """``("layers_0", ..., "layers_{L-1}")``: the keys of the blocks in the param tree."""
         return tuple(f"layers_{i}" for i in range(self.config.n_layers))
 
-    @property
-    def linear_groups(self) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
-        """Each block's linear layers grouped by the input they share, with the op producing it.
-
-        A tuple of ``(prev, linears)``: ``linears`` are ``/``-separated paths inside a block's param
-        dict (``"attn/q_proj"`` is ``params["layers_i"]["attn"]["q_proj"]``) that all read the same
-        input; ``prev`` is the op whose output *is* that input, so a per-input-channel scale ``s`` can
-        be folded into it (SmoothQuant/AWQ: ``prev`` output ``/ s``, each linear's kernel rows ``* s``):
-
-        * a norm name (``"attn_norm"``, ``"mlp_norm"``, GPT-2's ``"ln_1"``/``"ln_2"``): fold into its
-          ``scale`` (and ``bias`` for LayerNorm);
-        * a linear path (``"attn/v_proj"``, ``"mlp/up_proj"``): fold into that kernel's output columns
-          (and bias). For ``attn/v_proj -> attn/o_proj`` with GQA, o_proj input channel ``c`` comes
-          from v_proj output channel ``(c // hd // G) * hd + c % hd`` (``G = Hq / Hkv``), so ``s`` must
-          be shared by the ``G`` query heads of a kv head. For GPT-2's fused ``attn/c_attn`` only its
-          last ``D`` output columns (the values) feed ``attn/c_proj``;
-        * ``None``: no scale-equivariant predecessor (GPT-2's gelu before ``mlp/c_proj``).
-
-        Llama family: ``(("attn_norm", (q, k, v)), ("attn/v_proj", (o,)), ("mlp_norm", (gate, up)),
-        ("mlp/up_proj", (down,)))``.
-        """
-        return self._impl.LINEAR_GROUPS
-
     def param_shapes(self) -> dict[str, Any]:
         """The param tree with shape tuples as leaves."""
         return self._impl.param_shapes(self.config)

@@ -25,18 +25,10 @@ from eqjax.models.llama import KVQuantizer, as_float, attend
 from eqjax.numerics import dequantize
 from eqjax.qarray import QArray
 
-__all__ = ["LINEAR_GROUPS", "param_shapes", "layer_norm", "embed", "block", "head"]
+__all__ = ["param_shapes", "layer_norm", "embed", "block", "head"]
 
 Params = Mapping[str, Any]
 
-# c_attn's last D output columns are the values that feed c_proj; gelu sits between c_fc and
-# mlp/c_proj, so that group has no foldable predecessor (None).
-LINEAR_GROUPS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
-    ("ln_1", ("attn/c_attn",)),
-    ("attn/c_attn", ("attn/c_proj",)),
-    ("ln_2", ("mlp/c_fc",)),
-    (None, ("mlp/c_proj",)),
-)
 
 
 def param_shapes(config: GPT2Config) -> dict[str, Any]:

@@ -36,7 +36,6 @@ from eqjax.qarray import QArray
 
 __all__ = [
     "KVQuantizer",
-    "LINEAR_GROUPS",
     "param_shapes",
     "rms_norm",
     "rope_inv_freq",
@@ -49,13 +48,6 @@ __all__ = [
 ]
 
 Params = Mapping[str, Any]
-
-LINEAR_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attn_norm", ("attn/q_proj", "attn/k_proj", "attn/v_proj")),
-    ("attn/v_proj", ("attn/o_proj",)),
-    ("mlp_norm", ("mlp/gate_proj", "mlp/up_proj")),
-    ("mlp/up_proj", ("mlp/down_proj",)),
-)
 
 
 class KVQuantizer(Protocol):

@@ -95,7 +95,7 @@ def find_blocks(an: Analysis, pattern: str | None = None, uses: Sequence[WeightU
         stem = max(fam, key=lambda s: len(fam[s]), default=None)
         for u in uses:
             kp = _numbered_prefix(u.path)
-            keys[u.node] = kp[0] if kp and stem is not None and kp[1] == stem and len(fam[stem]) > 1 else None
+            keys[u.node] = kp[0] if kp and stem is not None and kp[1] == stem else None
     group_of = {u.node: gi for gi, g in enumerate(group_uses_by_input(uses)) for u in g}
     runs: list[tuple[str, list[WeightUse]]] = []
     for u in uses:
@@ -214,7 +214,8 @@ class BlockCalibration:
 
     def function(self, dot_hook: DotHook | None = None) -> Callable[[Mapping[str, Any], list[Any]], list[Any]]:
         """A pure, differentiable ``(params by path, inputs) -> live outputs`` of the segment."""
-        return self.cal._segment_fn(self.block, None, (), 0, 0.0, dot_hook)
+        seg = self.cal._segment_fn(self.block, None, (), 0, 0.0, dot_hook)
+        return lambda params, ins: seg(params, ins, None)[0]
 
     def param_paths(self) -> tuple[str, ...]:
         """Every param the segment reads (weights, norms, biases)."""

@@ -1,4 +1,4 @@
-"""Rules over param paths, recipes (chain, files, registry), the seed's methods."""
+"""Rules select params by role and name; recipes chain steps, load from files, refuse bad input."""
 
 import json
 import warnings
@@ -8,14 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.linear import ActQuantKernel, linear
-from eqjax.methods.rtn import RTN, UnusedRuleWarning, absmax, quantize_by_rules, zero_point, zeroquant
+from eqjax.errors import InputError
+from eqjax.linear import linear
+from eqjax.methods.rtn import RTN, UnusedRuleWarning, absmax_rule, quantize_by_rules, zero_point_rule, zeroquant_rule
 from eqjax.numerics import QuantSpec, dequantize
 from eqjax.pytree import tree_nbytes
-from eqjax.qarray import QArray, per_channel, per_group
+from eqjax.qarray import ActQuantKernel, QArray, per_channel, per_group
 from eqjax.recipe import Recipe, RecipeError, load_recipe, quantize
 from eqjax.recipes import get_recipe, recipe_names
-from eqjax.rules import Rule, assign
+from eqjax.rules import Rule, RuleError, assign, rule_from_dict
+
+from tests import zoo
 
 
 def _params():
@@ -31,62 +34,95 @@ def _params():
     }
 
 
+def _flat(tree):
+    from eqjax.pytree import flatten_with_paths
+
+    paths, leaves, _ = flatten_with_paths(tree)
+    return dict(zip(paths, leaves))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, params = zoo.make_eqjax("llama")
+    return model, params
+
+
 def test_first_matching_rule_wins_and_unused_reported():
     rules = (
         Rule(r"layers_0/.*/kernel", None),
         Rule(r".*/kernel", QuantSpec(4, True, per_group(0, 8))),
         Rule(r"decoder/.*", QuantSpec()),
     )
-    chosen, unused = assign(_params(), rules)
+    flat = _flat(_params())
+    chosen, unused = assign(flat, rules)
     assert chosen["layers_0/attn/q_proj/kernel"].weight is None
     assert chosen["layers_1/attn/q_proj/kernel"].weight.bits == 4
     assert "embed/embedding" not in chosen
     assert [r.pattern for r in unused] == ["decoder/.*"]
     with pytest.warns(UnusedRuleWarning, match="decoder"):
-        q = quantize_by_rules(_params(), rules)
-    assert isinstance(q["layers_1"]["attn"]["q_proj"]["kernel"], QArray)
-    assert not isinstance(q["layers_0"]["attn"]["q_proj"]["kernel"], QArray)
+        q = quantize_by_rules(flat, rules)
+    assert isinstance(q["layers_1/attn/q_proj/kernel"], QArray)
+    assert not isinstance(q["layers_0/attn/q_proj/kernel"], QArray)
 
 
-def test_seed_methods_and_sizes():
-    p = _params()
-    fp = tree_nbytes(p)
-    for fn in (absmax, zero_point):
-        q = fn(p)
+def test_role_rules_need_the_model_and_skip_norms(tiny):
+    model, params = tiny
+    with pytest.raises(InputError, match="needs the model"):
+        quantize(params, get_recipe("w8"))
+    q = quantize(params, get_recipe("w8"), model=model)
+    assert isinstance(q["layers_0"]["attn"]["q_proj"]["kernel"], QArray)
+    assert not isinstance(q["layers_0"]["attn_norm"]["scale"], QArray)
+    assert not isinstance(q["embed"]["embedding"], QArray)  # the tied table (embedding role) stays float
+    assert q["layers_0"]["mlp"]["down_proj"]["kernel"].granularity == per_channel(1)  # output channels
+
+
+def test_name_rule_matching_a_norm_is_a_clear_error(tiny):
+    model, params = tiny
+    r = Recipe("bad", (RTN((Rule(r".*scale", QuantSpec(8, True, per_channel(0))),)),))
+    with pytest.raises(InputError, match=r"_norm/scale: rule .* not a matmul weight"):
+        quantize(params, r, model=model)
+
+
+def test_second_rtn_over_quantized_weights_is_an_error(tiny):
+    model, params = tiny
+    r = Recipe("twice", get_recipe("w8").steps + get_recipe("w4g128-rtn").steps)
+    with pytest.raises(InputError, match="already quantized"):
+        quantize(params, r, model=model)
+
+
+def test_seed_methods_and_sizes(tiny):
+    model, params = tiny
+    fp = tree_nbytes(params)
+    for rule in (absmax_rule(), zero_point_rule()):
+        q = quantize(params, Recipe("s", (RTN((rule,)),)), model=model)
         assert isinstance(q["layers_0"]["mlp"]["down_proj"]["kernel"], QArray)
         assert tree_nbytes(q) < fp
-    qz = zeroquant(p, bits=8, group_size=8)
+    qz = quantize(params, Recipe("zq", (RTN((zeroquant_rule(8, 16),)),)), model=model)
     k = qz["layers_0"]["mlp"]["down_proj"]["kernel"]
-    assert isinstance(k, ActQuantKernel) and k.weight.granularity == per_group(0, 8)
-    x = jnp.ones((2, 64))
-    np.testing.assert_allclose(
-        np.asarray(linear(x, qz["layers_0"]["mlp"]["down_proj"])),
-        np.asarray(x @ p["layers_0"]["mlp"]["down_proj"]["kernel"]),
-        atol=0.5,
-    )
+    assert isinstance(k, ActQuantKernel) and k.weight.granularity == per_group(0, 16)
+    x = jax.random.normal(jax.random.key(3), (2, 64))
+    np.testing.assert_allclose(np.asarray(linear(x, qz["layers_0"]["mlp"]["down_proj"])),
+                               np.asarray(x @ params["layers_0"]["mlp"]["down_proj"]["kernel"]), atol=0.05)
 
 
-def test_recipe_chain_is_jit_friendly_pytree():
-    r = Recipe("two", (RTN((Rule(r"layers_0/.*", QuantSpec(8, True, per_channel(-1))),)),
+def test_recipe_output_is_a_jit_friendly_pytree():
+    r = Recipe("two", (RTN((Rule(r"layers_0/.*/kernel", QuantSpec(8, True, per_channel(-1))),)),
                        RTN((Rule(r"layers_1/.*/kernel", QuantSpec(4, False, per_group(0, 4))),))))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnusedRuleWarning)
         q = quantize(_params(), r)
-    leaves = jax.tree_util.tree_leaves(q)
-    assert all(isinstance(x, jax.Array) for x in leaves)
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(q))
     out = jax.jit(lambda t: jax.tree.map(lambda a: a, t))(q)
     assert out["layers_1"]["attn"]["q_proj"]["kernel"].bits == 4
-    np.testing.assert_allclose(
-        np.asarray(dequantize(out["layers_0"]["attn"]["q_proj"]["kernel"])),
-        np.asarray(_params()["layers_0"]["attn"]["q_proj"]["kernel"]),
-        atol=0.05,
-    )
+    np.testing.assert_allclose(np.asarray(dequantize(out["layers_0"]["attn"]["q_proj"]["kernel"])),
+                               np.asarray(_params()["layers_0"]["attn"]["q_proj"]["kernel"]), atol=0.05)
 
 
-def test_recipe_files_toml_and_json(tmp_path):
+def test_recipe_files_toml_and_json(tmp_path, tiny):
+    model, params = tiny
     toml = tmp_path / "r.toml"
     toml.write_text(
-        'name = "mine"\ndescription = "d"\n[[steps]]\nmethod = "rtn"\n[[steps.rules]]\npattern = ".*/kernel"\n'
+        'name = "mine"\ndescription = "d"\n[[steps]]\nmethod = "rtn"\n[[steps.rules]]\npattern = ".*"\nrole = "matmul"\n'
         'bits = 4\nsymmetric = false\ngranularity = "group"\ngroup_size = 8\nscale_dtype = "float16"\n'
     )
     r = load_recipe(toml)
@@ -94,9 +130,25 @@ def test_recipe_files_toml_and_json(tmp_path):
     js = tmp_path / "r.json"
     js.write_text(json.dumps({"name": "j", "steps": [{"method": "rtn", "rules": [
         {"pattern": ".*/kernel", "bits": 8, "act_bits": 8}]}]}))
-    q = quantize(_params(), load_recipe(js))
+    q = quantize(params, load_recipe(js), model=model)
     assert isinstance(q["layers_0"]["attn"]["q_proj"]["kernel"], ActQuantKernel)
     assert get_recipe(str(js)).name == "j"
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"pattern": ".*", "symmetric": "false"}, "symmetric must be bool"),
+    ({"pattern": ".*", "bits": 4.7}, "bits must be int"),
+    ({"pattern": ".*", "bits": True}, "bits must be int"),
+    ({"pattern": ".*", "granularity": "group"}, "needs group_size"),
+    ({"pattern": ".*", "granularity": "group", "group_size": 0}, "group_size must be >= 1"),
+    ({"pattern": ".*", "skip": True, "bits": 4}, "conflicts"),
+    ({"pattern": ".*", "colour": 1}, "unknown rule key"),
+    ({"pattern": ".*", "role": "norm"}, "role must be one of"),
+    ({"pattern": ".*", "granularity": "tensor", "axis": 0}, "takes no axis"),
+])
+def test_rule_values_are_typed_not_coerced(entry, match):
+    with pytest.raises(RuleError, match=match):
+        rule_from_dict(entry)
 
 
 def test_recipe_errors(tmp_path):

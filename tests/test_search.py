@@ -79,12 +79,12 @@ CANDS = (Candidate(2, 32), Candidate(3, 32), Candidate(4, 32), Candidate(4, 64),
 
 def test_hessians_are_input_second_moments(tiny):
     model, params, cal, H = tiny
-    assert len(H) == 2 * 7 + 1 and "lm_head" in H  # untied head is a linear too
+    assert len(H) == 2 * 7 + 1 and "lm_head/kernel" in H  # untied head is a matmul weight too
     from eqjax.models.llama import rms_norm
 
     h = model.embed(params, jnp.asarray(cal))
     x = np.asarray(rms_norm(h, params["layers_0"]["attn_norm"]["scale"], model.config.rms_norm_eps)).reshape(-1, 64)
-    np.testing.assert_allclose(H["layers_0/attn/q_proj"], x.T @ x / x.shape[0], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(H["layers_0/attn/q_proj/kernel"], x.T @ x / x.shape[0], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("budget_bits", [3.0, 4.5])

@@ -90,7 +90,7 @@ def search_scale(ws: Sequence[jax.Array], uses: Sequence[WeightUse], specs: Sequ
     """
     x_mean = jnp.asarray(x_mean, jnp.float32)
     losses = np.asarray(_scale_losses(tuple(jnp.asarray(w, jnp.float32) for w in ws), x_mean,
-                                      jnp.asarray(h, jnp.float32), jnp.asarray(tie), uses=tuple(u.layout for u in uses),
+                                      jnp.asarray(h, jnp.float32), jnp.asarray(tie), uses=tuple(getattr(u, "layout", u) for u in uses),
                                       specs=tuple(specs), n_grid=n_grid))
     if not np.all(np.isfinite(losses)):
         raise InputError("awq: non-finite loss in the scale search (check the calibration data)")
@@ -137,7 +137,7 @@ def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *,
                    for g in range(ng))
     n = max(1, int(round(max_shrink * clip_grid)))
     ratios = tuple(1.0 - i / clip_grid for i in range(n))
-    return _clip(jnp.asarray(w2, jnp.float32), jnp.asarray(h, jnp.float32), use=use.layout, spec=spec, ratios=ratios,
+    return _clip(jnp.asarray(w2, jnp.float32), jnp.asarray(h, jnp.float32), use=getattr(use, "layout", use), spec=spec, ratios=ratios,
                  blocks=blocks)
 
 

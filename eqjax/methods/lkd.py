@@ -122,7 +122,8 @@ class ZeroQuantLKD:
 
         def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
-            weights = tuple(dict.fromkeys(u.path for u in bc.uses if not is_quantized(p[u.path])))
+            weights = tuple(dict.fromkeys(u.path for u in bc.uses if not is_quantized(p[u.path])
+                                          and an.roles[u.path].kind == "matmul"))
             if not weights:
                 return p
             rule = dataclasses.replace(self.rule, pattern="|".join(re.escape(w) for w in weights))

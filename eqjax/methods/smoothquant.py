@@ -103,7 +103,11 @@ class SmoothQuant:
         def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
             plan = []
             for group in bc.groups:
-                if any(is_quantized(p[u.path]) or u.batch for u in group):
+                done = [u.path for u in group if is_quantized(p[u.path])]
+                if done:
+                    raise RecipeError(f"{bc.name}: SmoothQuant needs float weights (run it before RTN/GPTQ); "
+                                      f"{done[0]} is already quantized")
+                if any(u.batch for u in group):
                     continue
                 fold, why = bc.fold(group)
                 if fold is None or (fold.kind == "linear" and not self.smooth_linear):

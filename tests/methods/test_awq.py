@@ -5,12 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.methods.awq import AWQ, fold_map, search_clip, search_scale
-from eqjax.methods.rtn import quantize_by_rules
+from eqjax.core.analysis import MatrixLayout
+from eqjax.methods.awq import AWQ, search_clip, search_scale
+from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
 from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.qarray import per_group
-from eqjax.recipe import Context, RecipeError
+from eqjax.qarray import per_group, per_input_group
+from eqjax.recipe import Recipe, RecipeError, quantize
 from eqjax.rules import Rule
 
 
@@ -27,17 +28,9 @@ def tiny():
     return model, params, toks
 
 
-def test_fold_map_gqa():
-    model = Model(LlamaConfig(vocab=8, hidden=16, intermediate=8, n_layers=1, n_heads=4, n_kv_heads=2))
-    lp = model.init_params(jax.random.key(0))["layers_0"]
-    m = fold_map(model, lp, "attn/v_proj", 16)  # hd 4, 2 query heads per kv head
-    assert list(m) == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
-
-
 def test_scale_folding_preserves_function(tiny):
     model, params, toks = tiny
-    step = AWQ(bits=3, group_size=16, clip=False, batch_size=2)
-    out = step(params, Context(model=model, calibration=toks))
+    out = quantize(params, Recipe("a", (AWQ(bits=3, group_size=16, clip=False),)), model=model, calibration=toks)
     a, _ = model.apply(params, jnp.asarray(toks))
     b, _ = model.apply(out, jnp.asarray(toks))
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
@@ -46,11 +39,12 @@ def test_scale_folding_preserves_function(tiny):
 
 def test_awq_then_rtn_beats_rtn(tiny):
     model, params, toks = tiny
-    rule = (Rule(r".*/kernel", QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")),)
+    rtn_step = RTN((Rule(r".*", QuantSpec(3, False, per_input_group(16), "minmax", scale_dtype="float16"),
+                         role="matmul"),))
     ref, _ = model.apply(params, jnp.asarray(toks))
-    rtn, _ = model.apply(quantize_by_rules(params, rule), jnp.asarray(toks))
-    awq_params = AWQ(bits=3, group_size=16, batch_size=2)(params, Context(model=model, calibration=toks))
-    awq, _ = model.apply(quantize_by_rules(awq_params, rule), jnp.asarray(toks))
+    rtn, _ = model.apply(quantize(params, Recipe("r", (rtn_step,)), model=model), jnp.asarray(toks))
+    awq_q = quantize(params, Recipe("a", (AWQ(bits=3, group_size=16), rtn_step)), model=model, calibration=toks)
+    awq, _ = model.apply(awq_q, jnp.asarray(toks))
     e_rtn = float(jnp.mean((rtn - ref) ** 2))
     e_awq = float(jnp.mean((awq - ref) ** 2))
     assert e_awq < e_rtn, (e_awq, e_rtn)
@@ -64,14 +58,15 @@ def test_search_scale_and_clip_reduce_layer_error(n_in):
     w = rng.normal(size=(n_in, 16)).astype(np.float32)
     h = x.T @ x / len(x)
     spec = QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")
-    s, r, losses = search_scale([w], np.abs(x).mean(0), h, [spec])
+    lay = MatrixLayout((n_in, 16), (0,), (1,))
+    s, r, losses = search_scale([w], [lay], [spec], np.abs(x).mean(0), h, np.arange(n_in))
     assert losses.shape == (20,) and losses.min() <= losses[0]  # r = 0 is plain RTN
     err = lambda wq: float(np.sum((x @ (w - np.asarray(wq))) ** 2))  # noqa: E731
     e_rtn = err(fake_quantize(jnp.asarray(w), spec))
     se = np.asarray(s)[:, None]
     e_awq = err(np.asarray(fake_quantize(jnp.asarray(w * se), spec)) / se)
     assert e_awq <= e_rtn
-    wc = search_clip(jnp.asarray(w * se), h / (se * se.T), spec)
+    wc = search_clip(jnp.asarray(w * se), h / (se * se.T), lay, spec)
     assert wc.shape == w.shape
     e_clip = err(np.asarray(fake_quantize(wc, spec)) / se)
     assert e_clip <= e_awq * (1 + 1e-5)
@@ -80,7 +75,7 @@ def test_search_scale_and_clip_reduce_layer_error(n_in):
 def test_awq_needs_calibration(tiny):
     model, params, _ = tiny
     with pytest.raises(RecipeError, match="calibration"):
-        AWQ()(params, Context(model=model, calibration=None))
+        quantize(params, Recipe("a", (AWQ(),)), model=model)
 
 
 def test_recipes_and_config():
@@ -95,8 +90,5 @@ def test_recipes_and_config():
         recipe_from_dict({"name": "x", "steps": [{"method": "gptq", "bitz": 3}]})
     for name in ("w4g128-gptq", "w4g128-gptq-sym", "w3g128-gptq", "w4g128-awq", "w4g128-awq-gptq", "w3g128-awq"):
         assert get_recipe(name).needs_calibration
-    # AWQ's assumed quantizer is exactly the RTN step that follows it in the recipes (576 = 4 x 128 + 64).
-    from eqjax.methods.awq import quant_spec
-
-    rtn_spec = get_recipe("w4g128-awq").steps[1].rules[0].weight
-    assert quant_spec(576, 4, 128, False) == rtn_spec
+    # AWQ's assumed quantizer is exactly the RTN step that follows it in the recipe.
+    assert AWQ(bits=4).spec() == get_recipe("w4g128-awq").steps[1].rules[0].weight

@@ -9,8 +9,13 @@ import pytest
 
 from eqjax.methods.gptq import GPTQ, GPTQWarning, gptq_quantize, group_size_for, hessian_cholesky
 from eqjax.numerics import QuantSpec, dequantize, quantize
-from eqjax.qarray import per_channel, per_group, validate
-from eqjax.recipe import Context, RecipeError
+from eqjax.methods.rtn import RTN
+from eqjax.qarray import per_channel, per_group, per_input_group, validate
+from eqjax.rules import Rule
+
+RTN_W3G8 = RTN((Rule(".*", QuantSpec(3, False, per_input_group(8), scale_dtype="float16"), role="matmul"),))
+from eqjax.recipe import Recipe, RecipeError
+from eqjax.recipe import quantize as run_recipe
 
 
 def _layer(n_in=64, n_out=24, n_tok=512, seed=0):
@@ -136,16 +141,54 @@ def test_step_on_tiny_llama_quantizes_every_linear():
 
     model = Model(LlamaConfig(vocab=64, hidden=48, intermediate=96, n_layers=1, n_heads=4, n_kv_heads=2))
     params = model.init_params(jax.random.key(0))
-    toks = np.asarray(jax.random.randint(jax.random.key(1), (3, 12), 0, 64), np.int32)
-    step = GPTQ(bits=4, group_size=32, batch_size=2)  # width 48: groups of 32 + 16; width 96: 3 x 32
-    out = step(params, Context(model=model, calibration=toks))
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (4, 12), 0, 64), np.int32)
+    r = Recipe("g", (GPTQ(bits=4, group_size=32),))  # width 48: groups of 32 + 16; width 96: 3 x 32
+    out = run_recipe(params, r, model=model, calibration=toks)
     k = out["layers_0"]["attn"]["q_proj"]["kernel"]
     assert k.granularity == per_group(0, 32) and k.scale.shape == (2, 48) and k.scale.dtype == jnp.float16
     assert out["layers_0"]["mlp"]["down_proj"]["kernel"].granularity == per_group(0, 32)
     logits, _ = model.apply(out, jnp.asarray(toks))
     assert np.all(np.isfinite(np.asarray(logits)))
     with pytest.raises(RecipeError, match="calibration"):
-        step(params, Context(model=model, calibration=np.zeros((0, 12), np.int32)))
+        run_recipe(params, r, model=model, calibration=np.zeros((0, 12), np.int32))
+    with pytest.raises(RecipeError, match="calibration"):
+        run_recipe(params, r, model=model)
+
+
+@pytest.mark.parametrize("name", ["nnx", "hf-gpt2"])
+def test_step_on_nd_and_transposed_weights(name):
+    """GPTQ on 4-D fused einsum kernels (weight as lhs) and GPT-2's [out, in] Conv1D: the stored
+    QArray (in the param's own layout) beats RTN of the same layout on the calibration data."""
+    from eqjax.api import quantize_model
+    from tests import zoo
+
+    fn, params, batches = zoo.all_models()[name]
+    qf, qp = quantize_model(fn, Recipe("g", (GPTQ(bits=3, group_size=8),)), params=params, calibration=batches)
+    rf, rp = quantize_model(fn, Recipe("r", (RTN_W3G8,)), params=params, calibration=batches)
+    ref = [np.asarray(fn(params, *b)) for b in batches]
+    err = lambda f, p: sum(float(np.mean((np.asarray(f(p, *b)) - r) ** 2)) for b, r in zip(batches, ref))  # noqa: E731
+    assert err(qf, qp) < err(rf, rp)
+    leaf = jax.tree_util.tree_leaves(qp, is_leaf=lambda x: hasattr(x, "bits"))
+    assert any(getattr(x, "bits", 0) == 3 for x in leaf)
+
+
+def test_stacked_params_of_a_scan():
+    """A scanned stack of weights: each slice is GPTQ'd on its own inputs; one QArray for the stack."""
+    from eqjax.api import quantize_model
+
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=(3, 16, 16)) / 4, jnp.float32)}
+
+    def fn(p, x):
+        y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, p["w"])
+        return y
+
+    batches = [(jnp.asarray(rng.normal(size=(32, 16)), jnp.float32),) for _ in range(3)]
+    qf, qp = quantize_model(fn, Recipe("g", (GPTQ(bits=4, group_size=8),)), params=p, calibration=batches)
+    q = qp["w"]
+    assert q.shape == (3, 16, 16) and q.granularity == per_group(1, 8) and q.scale.shape == (3, 2, 16)
+    out = np.asarray(qf(qp, *batches[0]))
+    np.testing.assert_allclose(out, np.asarray(fn({"w": dequantize(q)}, *batches[0])), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -163,20 +206,22 @@ def test_smollm2_gptq_w4_beats_rtn():
     cal = data.calibration_windows(cal_ids, 16, 512, seed=0)
     ev = data.token_windows(ev_ids, 1024, 4)
     ppl = lambda p: float(getattr(perplexity(model, p, ev), "ppl"))  # noqa: E731
-    q = GPTQ(bits=4)(params, Context(model=model, calibration=cal))
-    assert ppl(q) < ppl(get_recipe("w4g128-rtn").steps[0](params))
+    q = run_recipe(params, Recipe("g", (GPTQ(bits=4),)), model=model, calibration=cal)
+    assert ppl(q) < ppl(run_recipe(params, get_recipe("w4g128-rtn"), model=model))
 
 
 def test_stored_qarray_is_exactly_gptq_choice():
     """dequantize(QArray) reproduces the float values the GPTQ sweep chose, bit for bit."""
-    from eqjax.methods.gptq import _gptq_core
+    from eqjax.methods.gptq import _gptq_core, group_ids
 
     x, w = _layer(n_in=32, n_out=8, n_tok=128)
     h = (2 * x.T.astype(np.float64) @ x / len(x))
     perm = np.argsort(-np.diag(h), kind="stable")
     u, _ = hessian_cholesky(h[np.ix_(perm, perm)])
     for sym in (False, True):
-        Q, _, _ = _gptq_core(jnp.asarray(w.T), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), bits=3,
-                             symmetric=sym, group_size=16, blocksize=8, static=True, scale_dtype="float16")
+        gid, ng = group_ids((32,), 16)
+        Q, _, _ = _gptq_core(jnp.asarray(w.T), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32),
+                             jnp.asarray(gid), ng, bits=3, symmetric=sym, blocksize=8, static=True,
+                             scale_dtype="float16", starts=())
         q = gptq_quantize(w, h, bits=3, group_size=16, symmetric=sym, act_order=True, blocksize=8)
         np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(Q).T)

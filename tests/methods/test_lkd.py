@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.linear import ActQuantKernel
+from eqjax.qarray import ActQuantKernel
 from eqjax.methods.lkd import ZeroQuantLKD
 from eqjax.models import LlamaConfig, Model
 from eqjax.recipe import Recipe, RecipeError, quantize, recipe_from_dict
@@ -62,7 +62,7 @@ def test_lkd_on_smollm2_first_layers():
     model = Model(cfg)
     cal_ids, _ = data.wikipedia_tokens(tok)
     cal = data.calibration_windows(cal_ids, 4, 256, seed=0)
-    step = ZeroQuantLKD(bits=4, group_size=64, steps=30, lr=5e-5, batch_size=4)
+    step = ZeroQuantLKD(bits=4, group_size=64, steps=30, lr=5e-5)
     quantize(params, Recipe("lkd", (step,)), model=model, calibration=cal)
     rtn = np.mean([r["mse_rtn"] for r in step.report.values()])
     lkd = np.mean([r["mse_lkd"] for r in step.report.values()])

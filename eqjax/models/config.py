@@ -368,7 +368,8 @@ def to_hf_config(config: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": c.tie_word_embeddings,
         "max_position_embeddings": c.max_position_embeddings,
         "rope_theta": c.rope_theta,
-        "rope_parameters": {**rope, "rope_theta": c.rope_theta},
+        "rope_parameters": {**rope, "rope_theta": c.rope_theta},  # transformers 5
+        "rope_scaling": None if c.rope_scaling is None else c.rope_scaling.to_dict(),  # transformers 4
         "dtype": "float32",
     }
     if c.model_type in ("llama", "qwen3"):

@@ -69,7 +69,7 @@ def main() -> None:
     from eqjax.methods.smoothquant import smooth_scales
 
     def smoothquant_params(amax):
-        s = smooth_scales(amax, [w], 0.5)
+        s = smooth_scales(amax, np.abs(np.asarray(w)).max(axis=1), 0.5)
         return quantize(jnp.asarray(w) * s[:, None], QuantSpec(8, True, per_channel(1), "absmax"))
 
     def gptq_params(h):

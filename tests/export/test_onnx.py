@@ -17,7 +17,6 @@ import pytest
 
 from eqjax.export.onnx import ExportError, build_model, export_onnx, linear_graph, make_session, onnx_logits, onnx_perplexity
 from eqjax.linear import ActQuantKernel, linear
-from eqjax.methods.rtn import quantize_by_rules
 from eqjax.models import GPT2Config, LlamaConfig, Model
 from eqjax.numerics import QuantSpec, quantize
 from eqjax.qarray import per_channel, per_group, per_tensor
@@ -105,6 +104,14 @@ RECIPES = {
 TOKENS = np.random.default_rng(1).integers(0, 128, (2, 12)).astype(np.int32)
 
 
+def _rtn(model, params, rules):
+    from eqjax.methods.rtn import RTN
+    from eqjax.recipe import Recipe
+    from eqjax.recipe import quantize as run_recipe
+
+    return run_recipe(params, Recipe("t", (RTN(tuple(rules)),)), model=model)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     out = {}
@@ -123,7 +130,7 @@ PAIRS = [(a, r) for a in ("llama-gqa", "gpt2") for r in RECIPES] + [
 @pytest.mark.parametrize("arch, recipe", PAIRS)
 def test_model_export_matches_eqjax(tiny, arch, recipe):
     model, params = tiny[arch]
-    qp = params if RECIPES[recipe] is None else quantize_by_rules(params, RECIPES[recipe])
+    qp = params if RECIPES[recipe] is None else _rtn(model, params, RECIPES[recipe])
     ref = np.asarray(model.apply(qp, jnp.asarray(TOKENS))[0])
     m = build_model(model, qp, decode=True)
     onnx.checker.check_model(m)
@@ -134,7 +141,7 @@ def test_model_export_matches_eqjax(tiny, arch, recipe):
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen3-qknorm-window"])
 def test_decode_with_kv_cache_matches_full_prefill(tiny, arch):
     model, params = tiny[arch]
-    qp = quantize_by_rules(params, RECIPES["w8a8"])
+    qp = _rtn(model, params, RECIPES["w8a8"])
     ref = np.asarray(model.apply(qp, jnp.asarray(TOKENS))[0])
     s = make_session(build_model(model, qp, decode=True))
     c = model.config
@@ -157,7 +164,7 @@ def test_decode_with_kv_cache_matches_full_prefill(tiny, arch):
 
 def test_export_file_and_perplexity(tiny, tmp_path):
     model, params = tiny["llama-gqa"]
-    qp = quantize_by_rules(params, RECIPES["w4g32"])
+    qp = _rtn(model, params, RECIPES["w4g32"])
     path = export_onnx(model, qp, tmp_path / "m.onnx", seq_len=12)
     onnx.checker.check_model(str(path))
     ppl = onnx_perplexity(make_session(path), TOKENS)
@@ -169,7 +176,7 @@ def test_export_file_and_perplexity(tiny, tmp_path):
 
 def test_model_export_names_the_bad_layer(tiny):
     model, params = tiny["llama-gqa"]
-    qp = quantize_by_rules(params, (weight_rule(3, symmetric=False, group=32),))
+    qp = _rtn(model, params, (weight_rule(3, symmetric=False, group=32),))
     with pytest.raises(ExportError, match=r"layers_0/attn/[qkv]_proj: 3-bit weights cannot be exported"):
         build_model(model, qp)
 

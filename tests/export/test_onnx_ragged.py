@@ -20,7 +20,7 @@ def tiny():
 @pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym"])
 def test_int4_short_last_block_matches(tiny, name):
     m, p = tiny
-    q = quantize(p, get_recipe(name))  # 96 = 0 x 128 + 96 and 160 = 128 + 32: short last groups
+    q = quantize(p, get_recipe(name), model=m)  # 96 = 0 x 128 + 96 and 160 = 128 + 32: short last groups
     toks = np.arange(10, dtype=np.int32).reshape(1, 10)
     a = onnx_logits(make_session(build_model(m, q)), toks)
     b, _ = m.apply(q, jnp.asarray(toks))
@@ -29,7 +29,7 @@ def test_int4_short_last_block_matches(tiny, name):
 
 def test_w8a8_short_group_runs_in_eqjax_and_is_refused_by_exporter(tiny):
     m, p = tiny
-    q = quantize(p, get_recipe("w8a8-zeroquant"))  # group 64 on width 96
+    q = quantize(p, get_recipe("w8a8-zeroquant"), model=m)  # group 64 on width 96
     b, _ = m.apply(q, jnp.arange(10, dtype=jnp.int32).reshape(1, 10))
     assert np.all(np.isfinite(np.asarray(b)))
     with pytest.raises(ExportError, match="does not divide the input width 96"):

@@ -15,7 +15,7 @@ from eqjax.recipes import get_recipe
 def test_reload_gives_identical_logits(tmp_path, name):
     model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
     params = model.init_params(jax.random.PRNGKey(1))
-    q = quantize(params, get_recipe(name))
+    q = quantize(params, get_recipe(name), model=model)
     save_quantized(tmp_path / "ck", q, recipe=name)
     q2, manifest = load_quantized(tmp_path / "ck")
     assert manifest["recipe"] == name

@@ -45,12 +45,19 @@ _LLAMA3 = {
     "original_max_position_embeddings": 32,  # wavelengths fall in all three llama3 bands
 }
 
+def _rope(params: dict) -> dict:
+    """Both spellings of RoPE scaling: transformers 5 reads ``rope_parameters``, 4.x ``rope_scaling`` +
+    ``rope_theta`` (the Flax models need 4.x; the parity tests run on whichever is installed)."""
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_parameters": params, "rope_scaling": scaling, "rope_theta": params["rope_theta"]}
+
+
 CASES = {
     "llama_untied_bias": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=False, attention_bias=True)),
-    "llama_tied_llama3_rope": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True, rope_parameters=_LLAMA3)),
+    "llama_tied_llama3_rope": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True, **_rope(_LLAMA3))),
     "llama_linear_rope": (
         "LlamaConfig",
-        dict(_COMMON, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+        dict(_COMMON, **_rope({"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
     ),
     "mistral_window": ("MistralConfig", dict(_COMMON, sliding_window=6)),
     "qwen2_bias_tied": ("Qwen2Config", dict(_COMMON, tie_word_embeddings=True)),

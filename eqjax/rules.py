@@ -85,6 +85,9 @@ def rule_from_dict(d: Mapping[str, Any]) -> Rule:
     ``group`` (``axis`` = grouped axis, default 0 = input features; ``group_size`` required).
     ``skip = true`` keeps matching parameters in float.
     """
+    from eqjax.schema import validate_rule_dict  # noqa: PLC0415 - typed check: no coercion, conflicts refused
+
+    validate_rule_dict(d)
     unknown = set(d) - _RULE_KEYS
     if unknown:
         raise RuleError(f"unknown rule key(s) {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")

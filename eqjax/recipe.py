@@ -236,13 +236,14 @@ def quantize(params: Params, recipe: Recipe, **kwargs: Any) -> Params:  # noqa: 
 
     Keyword arguments are those of the unchecked runner (``model``, ``calibration``, ``seed``,
     ``progress``, ...). Checked around it (:mod:`eqjax.schema`): a NaN/Inf or integer parameter going in
-    is a :class:`~eqjax.errors.NonFiniteError` / CompatibilityError naming the parameter path and the
-    first bad index; one coming out (the recipe made it) is a :class:`~eqjax.errors.NonFiniteResult`.
+    is a :class:`~eqjax.schema.NonFiniteParamsError` (a RecipeError and a NonFiniteError) or a
+    CompatibilityError naming the parameter path and the first bad index; one coming out (the recipe
+    made it) is a :class:`~eqjax.errors.NonFiniteResult`.
     """
     from eqjax.errors import NonFiniteError, NonFiniteResult  # noqa: PLC0415
-    from eqjax.schema import check_params, check_recipe_fits  # noqa: PLC0415
+    from eqjax.schema import NonFiniteParamsError, check_params, check_recipe_fits  # noqa: PLC0415
 
-    check_params(params, "params given to quantize")
+    check_params(params, "params given to quantize", nonfinite=NonFiniteParamsError)
     check_recipe_fits(recipe, params)
     out = _quantize_unchecked(params, recipe, **kwargs)
     if recipe.steps:
@@ -251,4 +252,3 @@ def quantize(params: Params, recipe: Recipe, **kwargs: Any) -> Params:  # noqa: 
         except NonFiniteError as e:
             raise NonFiniteResult(str(e)) from None
     return out
-

@@ -33,7 +33,7 @@ from eqjax.recipe import RecipeError
 from eqjax.rules import RuleError
 
 __all__ = [
-    "SchemaError", "validate_recipe_dict", "validate_rule_dict", "validate_kv_dict", "check_step_fields",
+    "SchemaError", "NonFiniteParamsError", "validate_recipe_dict", "validate_rule_dict", "validate_kv_dict", "check_step_fields",
     "check_params", "check_recipe_fits", "RULE_KEYS",
 ]
 
@@ -52,6 +52,11 @@ class SchemaError(RecipeError, RuleError):
 
     def with_source(self, source: str) -> "SchemaError":
         return SchemaError(self.where, self.expected, self.found, source)
+
+
+class NonFiniteParamsError(RecipeError, NonFiniteError):
+    """A param given to :func:`eqjax.quantize` holds NaN/Inf: a RecipeError (the recipe cannot run on
+    these params) and a :class:`~eqjax.errors.NonFiniteError`."""
 
 
 def _show(v: Any) -> str:
@@ -399,11 +404,13 @@ def _first_bad(a: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
     return int(bad.sum()), tuple(int(i) for i in np.argwhere(bad)[0])
 
 
-def check_params(params: Any, source: str = "params", *, allow_int: bool = False) -> None:
+def check_params(params: Any, source: str = "params", *, allow_int: bool = False,
+                 nonfinite: type[NonFiniteError] = NonFiniteError) -> None:
     """Raise naming ``source``, the param path and the first bad index if a float leaf holds NaN/Inf,
     a quantized leaf has a non-finite scale, or (unless ``allow_int``) a plain leaf is not floating-point.
 
-    Concrete arrays only (a no-op for tracers).
+    Concrete arrays only (a no-op for tracers). ``nonfinite``: the error class for NaN/Inf (a subclass
+    of :class:`~eqjax.errors.NonFiniteError`).
     """
     import jax
 
@@ -435,7 +442,7 @@ def check_params(params: Any, source: str = "params", *, allow_int: bool = False
             hit = _first_bad(a)
             if hit is not None:
                 n, idx = hit
-                raise NonFiniteError(
+                raise nonfinite(
                     f"non-finite parameter ({source}: {name}): expected finite values, found {n} NaN/Inf, "
                     f"first at index {idx} of shape {tuple(a.shape)}"
                 )

@@ -16,7 +16,6 @@ import argparse
 import collections
 import concurrent.futures as cf
 import datetime
-import json
 import os
 import pathlib
 import platform

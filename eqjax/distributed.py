@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 from eqjax.ema import EmaState, ema_absmax
 from eqjax.numerics import QuantSpec, check_finite, compute_range, quantize_with, range_to_qparams
 from eqjax.qarray import QArray, QArrayError, codes_per_word, is_packed, pack_axis_for, per_group, scale_shape
+from eqjax.errors import RuntimeFailure
 
 __all__ = [
     "COLLECTIVES",
@@ -523,7 +524,7 @@ def synced_ema_update(
 # --------------------------------------------------------------------------------------------------
 
 
-class DistributedError(RuntimeError):
+class DistributedError(RuntimeFailure):
     """Multi-process setup failed (bad arguments, unreachable coordinator, a peer died)."""
 
 

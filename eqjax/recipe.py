@@ -179,6 +179,112 @@ def _model_logits(model: Any) -> Callable[..., Any]:
     return lambda p, tokens: model.apply(p, tokens)[0]
 
 
+def step_kwargs(
+    cls: type, d: Mapping[str, Any], method: str, *, exclude: tuple[str, ...] = ("name",),
+    tuples: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A step dataclass's keyword arguments from a recipe-file table, checked against its fields.
+
+    Unknown keys, values of the wrong type (no coercion: ``bits = 4.7`` or ``symmetric = "false"`` is
+    refused) and out-of-range values raise :class:`~eqjax.schema.SchemaError` naming the key;
+    ``tuples`` are list-valued fields converted to tuples (steps must stay hashable).
+    """
+    from eqjax.schema import check_step_fields  # noqa: PLC0415
+
+    check_step_fields(cls, d, method, exclude=exclude)
+    return {k: (tuple(v) if k in tuples else v) for k, v in d.items()}
+
+
+def _step_from_dict(d: Mapping[str, Any], where: str = "step") -> Any:
+    d = dict(d)
+    method = d.pop("method", None)
+    if method not in STEP_TYPES:
+        raise RecipeError(f"unknown step method ({where}.method): expected one of {sorted(STEP_TYPES)}, found {method!r}")
+    module, _, cls = STEP_TYPES[method].partition(":")
+    step_cls = getattr(importlib.import_module(module), cls)
+    try:
+        return step_cls.from_config(d)
+    except RecipeError as e:
+        if getattr(e, "where", None) is not None:  # a SchemaError: put the step's position in front
+            from eqjax.schema import SchemaError  # noqa: PLC0415
+
+            raise SchemaError(f"{where}.{e.where}".rstrip("."), e.expected, e.found) from None
+        raise
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"invalid {method!r} step ({where}): {e}") from None
+
+
+def recipe_from_dict(d: Mapping[str, Any], *, source: str | None = None) -> Recipe:
+    """A recipe from a parsed file: ``{name, description?, steps: [{method, ...}], kv?: {...}}``.
+
+    The dict is checked first (:func:`eqjax.schema.validate_recipe_dict`: types without coercion,
+    unknown and conflicting keys refused); every error is a :class:`RecipeError` naming the key path
+    (and ``source``, the file, when given).
+    """
+    from eqjax.schema import validate_recipe_dict  # noqa: PLC0415
+
+    validate_recipe_dict(d, source)
+    prefix = f"{source}: " if source else ""
+    steps = tuple(_step_from_dict(s, f"{prefix}steps[{i}]") for i, s in enumerate(d["steps"]))
+    kv = None
+    if d.get("kv") is not None:
+        from eqjax.methods.kvquant import KVQuant  # noqa: PLC0415 - optional step type
+
+        try:
+            kv = KVQuant.from_config(dict(d["kv"]))
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"invalid kv table ({prefix}kv): {e}") from None
+    return Recipe(d["name"], steps, d.get("description", ""), kv)
+
+
+def _no_duplicate_keys(source: str) -> Any:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise RecipeError(f"duplicate key in a recipe file ({source}: {k!r}): expected each key once, found it twice")
+            out[k] = v
+        return out
+
+    return hook
+
+
+def load_recipe(path: str | pathlib.Path) -> Recipe:
+    """Read a recipe from a ``.toml`` or ``.json`` UTF-8 file, checked (see :func:`recipe_from_dict`).
+
+    Every problem (missing file, not UTF-8, does not parse, duplicate JSON key, schema violation) is a
+    :class:`RecipeError` naming the file.
+    """
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise RecipeError(f"recipe file does not exist ({p}): expected a .toml or .json file, found nothing")
+    if not p.is_file():
+        raise RecipeError(f"recipe path is not a file ({p}): expected a .toml or .json file, found a directory")
+    if p.suffix not in (".toml", ".json"):
+        raise RecipeError(f"unknown recipe file type ({p}): expected a .toml or .json suffix, found {p.suffix!r}")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"cannot read the recipe file ({p}): {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise RecipeError(
+            f"recipe file is not UTF-8 ({p}): expected UTF-8 text, found byte 0x{raw[e.start]:02x} at offset {e.start}"
+        ) from None
+    try:
+        if p.suffix == ".toml":
+            d = tomllib.loads(text)
+        else:
+            d = json.loads(text, object_pairs_hook=_no_duplicate_keys(str(p)))
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise RecipeError(f"recipe file does not parse ({p}): {e}") from None
+    except RecursionError:
+        raise RecipeError(f"recipe file does not parse ({p}): nested too deeply") from None
+    return recipe_from_dict(d, source=str(p))
+
+
+# ------------------------------------------------------------------------------------ the entry point
 def quantize(
     params: Params,
     recipe: Recipe,
@@ -197,9 +303,17 @@ def quantize(
     ``fn(params, *args)`` (``calibration``: an iterable of argument tuples; ``example``: one argument
     tuple to trace with when there is no calibration). Without a model only name rules with
     explicit axes can run.
-    """
-    from eqjax.pytree import flatten_with_paths, unflatten_paths  # noqa: PLC0415
 
+    Checked around the steps (:mod:`eqjax.schema`): a NaN/Inf or integer parameter going in is a
+    :class:`~eqjax.schema.NonFiniteParamsError` / CompatibilityError naming the parameter path and the
+    first bad index; one coming out (the recipe made it) is a :class:`~eqjax.errors.NonFiniteResult`.
+    """
+    from eqjax.errors import NonFiniteError, NonFiniteResult  # noqa: PLC0415
+    from eqjax.pytree import flatten_with_paths, unflatten_paths  # noqa: PLC0415
+    from eqjax.schema import NonFiniteParamsError, check_params, check_recipe_fits  # noqa: PLC0415
+
+    check_params(params, "params given to quantize", nonfinite=NonFiniteParamsError)
+    check_recipe_fits(recipe, params)
     ctx = context or model_context(model, params, calibration, example=example, blocks=blocks, seed=seed,
                                    progress=progress)
     paths, leaves, _ = flatten_with_paths(params)
@@ -208,77 +322,10 @@ def quantize(
         t0 = time.perf_counter()
         flat = step(flat, ctx)
         log.info("recipe %s: step %s took %.2fs", recipe.name, step.name, time.perf_counter() - t0)
-    return unflatten_paths(flat, params)
-
-
-# method name -> "module:Class"; each class has ``from_config(dict) -> step``.
-STEP_TYPES: dict[str, str] = {
-    "rtn": "eqjax.methods.rtn:RTN",
-    "gptq": "eqjax.methods.gptq:GPTQ",
-    "awq": "eqjax.methods.awq:AWQ",
-    "smoothquant": "eqjax.methods.smoothquant:SmoothQuant",
-    "zeroquant_lkd": "eqjax.methods.lkd:ZeroQuantLKD",
-}
-
-
-def step_kwargs(
-    cls: type, d: Mapping[str, Any], method: str, *, exclude: tuple[str, ...] = ("name",),
-    tuples: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """A step dataclass's keyword arguments from a recipe-file table, checked against its fields.
-
-    Unknown keys raise naming ``method`` and the allowed keys; ``tuples`` are list-valued fields
-    converted to tuples (steps must stay hashable).
-    """
-    allowed = {f.name for f in dataclasses.fields(cls)} - set(exclude)
-    unknown = set(d) - allowed
-    if unknown:
-        raise ValueError(f"unknown {method!r} key(s): {sorted(unknown)}; allowed: {sorted(allowed)}")
-    return {k: (tuple(v) if k in tuples else v) for k, v in d.items()}
-
-
-def _step_from_dict(d: Mapping[str, Any]) -> Any:
-    d = dict(d)
-    method = d.pop("method", None)
-    if method not in STEP_TYPES:
-        raise RecipeError(f"unknown step method {method!r}; known: {sorted(STEP_TYPES)}")
-    module, _, cls = STEP_TYPES[method].partition(":")
-    step_cls = getattr(importlib.import_module(module), cls)
-    try:
-        return step_cls.from_config(d)
-    except (TypeError, ValueError) as e:
-        raise RecipeError(f"step {method!r}: {e}") from None
-
-
-def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
-    """A recipe from a parsed file: ``{name, description?, steps: [{method, ...}], kv?: {...}}``."""
-    if "name" not in d or "steps" not in d:
-        raise RecipeError("a recipe needs 'name' and 'steps'")
-    steps = tuple(_step_from_dict(s) for s in d["steps"])
-    kv = None
-    if d.get("kv") is not None:
-        from eqjax.methods.kvquant import KVQuant  # noqa: PLC0415 - optional step type
-
-        kv = KVQuant.from_config(dict(d["kv"]))
-    return Recipe(str(d["name"]), steps, str(d.get("description", "")), kv)
-
-
-def load_recipe(path: str | pathlib.Path) -> Recipe:
-    """Read a recipe from a ``.toml`` or ``.json`` file."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe file {p} does not exist")
-    text = p.read_text(encoding="utf-8")
-    try:
-        if p.suffix == ".toml":
-            d = tomllib.loads(text)
-        elif p.suffix == ".json":
-            d = json.loads(text)
-        else:
-            raise RecipeError(f"recipe file {p}: use .toml or .json")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise RecipeError(f"recipe file {p} does not parse: {e}") from None
-    try:
-        return recipe_from_dict(d)
-    except RecipeError as e:
-        raise RecipeError(f"recipe file {p}: {e}") from None
+    out = unflatten_paths(flat, params)
+    if recipe.steps:
+        try:
+            check_params(out, f"output of recipe {recipe.name!r}", allow_int=True)
+        except NonFiniteError as e:
+            raise NonFiniteResult(str(e)) from None
+    return out

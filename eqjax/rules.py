@@ -124,6 +124,9 @@ def rule_from_dict(d: Mapping[str, Any]) -> Rule:
     """
     if not isinstance(d, Mapping):
         raise RuleError(f"a rule must be a table/object, got {type(d).__name__}")
+    from eqjax.schema import validate_rule_dict  # noqa: PLC0415 - typed check: no coercion, conflicts refused
+
+    validate_rule_dict(d)
     unknown = set(d) - _RULE_KEYS
     if unknown:
         raise RuleError(f"unknown rule key(s) {sorted(unknown)}; allowed: {sorted(_RULE_KEYS)}")

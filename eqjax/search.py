@@ -51,6 +51,7 @@ from eqjax.pytree import flatten, tree_nbytes
 from eqjax.qarray import per_channel, per_group
 from eqjax.recipe import Recipe
 from eqjax.rules import Rule
+from eqjax.errors import InputError
 
 __all__ = [
     "Candidate",
@@ -70,7 +71,7 @@ __all__ = [
 ]
 
 
-class BudgetError(ValueError):
+class BudgetError(InputError):
     """The budget is below the smallest model the candidates can make (or is malformed)."""
 
 

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from eqjax.errors import InputError
 
 __all__ = ["Tokenizer", "TokenizerError", "bytes_to_unicode"]
 
@@ -49,7 +50,7 @@ _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLA
 _GPT2_PRES = ("default", "gpt2", "gpt-2", "starcoder", "refact")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """The metadata does not describe a tokenizer eqjax can rebuild (names what is wrong)."""
 
 

@@ -94,3 +94,63 @@ def test_validator_catches_broken_arrays():
     q8 = quantize(jnp.ones((8, 4)), QuantSpec(8, True, per_channel(1)))
     with pytest.raises(QArrayError, match="codes outside"):
         validate(dataclasses.replace(q8, values=jnp.full((8, 4), -128, jnp.int8)))
+
+
+# ------------------------------------------------------------------------------------ recipes, params, results
+@pytest.mark.parametrize("key, value, found", [
+    ("bits", 4.7, "float 4.7"), ("symmetric", "false", "str 'false'"), ("bits", True, "bool True"),
+    ("group_size", 100000, "int 100000"),
+])
+def test_recipe_values_are_checked_not_coerced(key, value, found):
+    from eqjax.recipe import RecipeError, recipe_from_dict
+
+    rule = {"pattern": ".*/kernel", "granularity": "group", "group_size": 32, key: value}
+    with pytest.raises(RecipeError, match=rf"mine\.toml: steps\[0\]\.rules\[0\]\.{key}\): expected .*, found {found}"):
+        recipe_from_dict({"name": "r", "steps": [{"method": "rtn", "rules": [rule]}]}, source="mine.toml")
+
+
+def test_conflicting_rule_keys():
+    with pytest.raises(RuleError, match="skip"):
+        rule_from_dict({"pattern": ".*", "skip": True, "bits": 4})
+    with pytest.raises(RuleError, match="granularity"):
+        rule_from_dict({"pattern": ".*", "group_size": 64})
+    with pytest.raises(RuleError, match="act_bits"):
+        rule_from_dict({"pattern": ".*", "act_granularity": "tensor"})
+
+
+def test_quantize_names_a_non_finite_param():
+    import eqjax
+    from eqjax.errors import NonFiniteError
+
+    params = {"layers_0": {"attn_norm": {"scale": jnp.asarray([1.0, np.nan, 1.0])},
+                           "mlp": {"up": {"kernel": jnp.ones((4, 4))}}}}
+    with pytest.raises(NonFiniteError, match=r"layers_0/attn_norm/scale.*index \(1,\)"):
+        eqjax.quantize(params, eqjax.get_recipe("w8"))
+
+
+class _FakeModel:
+    """Logits that put +1000 on token 0: every other target costs ~1000 nats, exp(1000) overflows."""
+
+    class config:  # noqa: N801
+        vocab = 8
+
+    def apply(self, params, tokens, kv_quant=None):
+        logits = jnp.zeros((*tokens.shape, 8), jnp.float32).at[..., 0].set(1000.0)
+        return logits, None
+
+
+def test_perplexity_never_returns_infinity():
+    from eqjax.errors import NonFiniteResult
+    from eqjax.evaluate import perplexity
+
+    windows = np.full((1, 8), 3, np.int32)
+    with pytest.raises(NonFiniteResult, match="perplexity overflows"):
+        perplexity(_FakeModel(), {}, windows)
+
+
+def test_token_ids_outside_the_vocabulary():
+    from eqjax.errors import CompatibilityError
+    from eqjax.evaluate import perplexity
+
+    with pytest.raises(CompatibilityError, match=r"expected ids in \[0, 8\), found 9"):
+        perplexity(_FakeModel(), {}, np.full((1, 8), 9, np.int32))

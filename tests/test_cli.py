@@ -82,13 +82,82 @@ def test_quantize_saves_orbax(tiny, tmp_path):
 
 
 def test_errors_are_clear(tiny, tmp_path, capsys):
+    """Bad input: exit 2, one 'eqjax: error:' line naming the cause, no traceback."""
     d, text = tiny
-    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "nope"]) == 1
-    assert "unknown recipe 'nope'" in capsys.readouterr().err
+    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eqjax: error: unknown recipe 'nope'") and err.count("\n") == 1
     short = tmp_path / "short.txt"
     short.write_text("too short", encoding="utf-8")
-    assert main(["eval", "--model", str(d), "--text", str(short), "--recipe", "fp", "--ctx", "64"]) == 1
-    assert "tokens" in capsys.readouterr().err
+    assert main(["eval", "--model", str(d), "--text", str(short), "--recipe", "fp", "--ctx", "64",
+                 "--eval-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "short.txt" in err and "tokens" in err and "Traceback" not in err
+
+
+def test_debug_prints_the_traceback(tiny, capsys):
+    d, text = tiny
+    assert main(["--debug", "eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("eqjax: error: bad evaluation window length")
+    assert main(["eval", "--debug", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "0"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_runtime_failure_exits_1(tiny, tmp_path, capsys):
+    """Logits that blow up: the perplexity is an error (exit 1), never 'Infinity' in the JSON."""
+    import shutil
+
+    d, text = tiny
+    huge = tmp_path / "huge"
+    model = Model(LlamaConfig(vocab=256, hidden=64, intermediate=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                              tie_word_embeddings=True))
+    save_hf_checkpoint(huge, model, jax.tree.map(lambda x: x * 1e12, model.init_params(jax.random.PRNGKey(0), std=0.05)))
+    shutil.copy(d / "tokenizer.json", huge / "tokenizer.json")
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--model", str(huge), "--text", str(text), "--recipe", "fp", "--ctx", "64", "--eval-tokens", "64",
+               "--json", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and err.startswith("eqjax: error:") and ("overflow" in err or "non-finite" in err)
+    assert not out.exists()
+
+
+def test_overwrite_and_existing_outputs(tiny, tmp_path, capsys):
+    d, text = tiny
+    out = tmp_path / "r.json"
+    out.write_text("old")
+    args = ["eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "64", "--eval-tokens", "64",
+            "--json", str(out)]
+    assert main(args) == 2
+    assert "--overwrite" in capsys.readouterr().err and out.read_text() == "old"
+    assert main([*args, "--overwrite"]) == 0
+    assert json.loads(out.read_text())["recipe"] == "fp"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_checkpoint_eval_equals_recipe_eval(tiny, tmp_path):
+    d, text = tiny
+    ev = ["eval", "--model", str(d), "--text", str(text), "--ctx", "64", "--eval-tokens", "128"]
+    assert main(["quantize", "--model", str(d), "--recipe", "w8a8-naive", "--out", str(tmp_path / "ck")]) == 0
+    assert main([*ev, "--recipe", "w8a8-naive", "--json", str(tmp_path / "a.json")]) == 0
+    assert main([*ev, "--checkpoint", str(tmp_path / "ck"), "--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert a["ppl"] == b["ppl"] and b["recipe"] == "w8a8-naive" and b["checkpoint"].endswith("ck")
+
+
+def test_run_appends_rows_as_they_finish(tiny, tmp_path):
+    d, text = tiny
+    out = tmp_path / "o"
+    assert main(["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8", "--ctx", "64",
+                 "--eval-tokens", "64", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    assert lines[0]["protocol"]["ctx"] == 64 and [x["row"]["recipe"] for x in lines[1:]] == ["fp", "w8"]
+    # a second run into the same directory must choose: --resume (nothing left to do) or --overwrite
+    base = ["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8", "--ctx", "64", "--eval-tokens", "64",
+            "--out", str(out)]
+    assert main(base) == 2
+    assert main([*base, "--resume"]) == 0
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 3
 
 
 def test_parser_has_distributed_flags_when_available():

@@ -61,6 +61,7 @@ from onnx import TensorProto, helper, numpy_helper
 from eqjax.linear import ActQuantKernel
 from eqjax.numerics import codes, dequantize, integer_values
 from eqjax.qarray import QArray
+from eqjax.errors import InputError
 
 __all__ = [
     "ExportError",
@@ -81,7 +82,7 @@ MS_DOMAIN = "com.microsoft"
 _NEG = float(np.finfo(np.float32).min)
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """The model or a layer's quantization cannot be expressed in the ONNX graph."""
 
 
@@ -543,17 +544,30 @@ def export_onnx(model: Any, params: Mapping[str, Any], path: str | os.PathLike[s
 
     Raises :class:`ExportError` naming the first layer whose quantization ONNX cannot express.
     """
-    m = build_model(model, params, seq_len=seq_len, decode=decode, accuracy_level=accuracy_level)
+    import tempfile
+
+    from eqjax.atomic import atomic_path, check_output_file, fsync_tree
+
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(path, overwrite=True, what="ONNX file")  # an unwritable path fails before the build
+    m = build_model(model, params, seq_len=seq_len, decode=decode, accuracy_level=accuracy_level)
+    # atomic write: temporary sibling, fsync, rename (a killed export leaves the previous file intact)
     if m.ByteSize() > 1_900_000_000:
-        onnx.save_model(m, str(path), save_as_external_data=True, location=path.name + ".data")
-        if check:
-            onnx.checker.check_model(str(path))
+        data = path.parent / (path.name + ".data")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-") as td:
+            tmp = pathlib.Path(td)
+            onnx.save_model(m, str(tmp / path.name), save_as_external_data=True, location=data.name)
+            if check:
+                onnx.checker.check_model(str(tmp / path.name))
+            fsync_tree(tmp)
+            os.replace(tmp / data.name, data)  # the weights first, then the graph that points at them
+            os.replace(tmp / path.name, path)
     else:
         if check:
             onnx.checker.check_model(m)
-        onnx.save_model(m, str(path))
+        with atomic_path(path) as tmp:
+            onnx.save_model(m, str(tmp))
     return path
 
 

@@ -243,7 +243,12 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
     tensors = {t.name: t for t in reader.tensors}
     embed = tensors.get("token_embd.weight")
     n_vocab = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
-    cfg = config_from_metadata(meta, source=src, n_vocab=n_vocab)
+    try:
+        cfg = config_from_metadata(meta, source=src, n_vocab=n_vocab)
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"{src}: malformed model metadata ({type(e).__name__}: {e})") from None
     tied = "output.weight" not in tensors
     if not tied:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -295,6 +300,8 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
         tok = Tokenizer.from_metadata(meta, source=src)
     except TokenizerError as e:
         raise GGUFError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own types on corrupt vocabularies
+        raise GGUFError(f"{src}: the tokenizer metadata is corrupt ({type(e).__name__}: {e})") from None
     if tok.vocab_size != V:
         raise GGUFError(f"{src}: the tokenizer has {tok.vocab_size} tokens, the model {V}")
     return cfg, params, tok

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.errors import InputError
 from eqjax.linear import ActQuantKernel
 from eqjax.models import Model
 from eqjax.models.config import ConfigError, GPT2Config, ModelConfig, from_hf_config, to_hf_config
@@ -43,8 +44,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, or disagrees with its config."""
+class CheckpointError(InputError):
+    """A checkpoint is missing, malformed, or disagrees with its config (an
+    :class:`~eqjax.errors.InputError`, hence a ``ValueError``)."""
 
 
 Path_ = tuple[str, ...]
@@ -142,6 +144,10 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         return out
     except SafetensorError as e:
         raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, MemoryError) as e:
+        raise CheckpointError(
+            f"{path}: not a valid safetensors file (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from None
 
 
 def _read_raw(path: Path, names: list[str]) -> dict[str, np.ndarray]:
@@ -216,6 +222,10 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
             raise CheckpointError(
                 f"{origin[name]}: tensor {name} has shape {tuple(arr.shape)} but config.json implies {hf_shape}"
             )
+        if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+            raise CheckpointError(
+                f"non-float tensor ({origin[name]}: {name}): expected a floating-point dtype, found {arr.dtype.name}"
+            )
         used.add(name)
         value = arr.T if _transposed(config, path) else arr
         _set(params, path, jnp.asarray(value if dtype is None else value.astype(np.float32), dtype=dtype))
@@ -279,14 +289,18 @@ def save_hf_checkpoint(
 
             value = value.astype(ml_dtypes.bfloat16)
         out[name] = np.ascontiguousarray(value.astype(np.float16) if dtype == "float16" else value)
+    from eqjax.atomic import atomic_path, write_text  # noqa: PLC0415
+
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     hf_cfg = {**(extra_config or {}), **to_hf_config(config), "dtype": dtype}
-    (root / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    if dtype == "bfloat16":
-        _save_raw(root / "model.safetensors", out)
-    else:
-        save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    # each file is replaced atomically (temporary file + fsync + rename); weights first, config last
+    with atomic_path(root / "model.safetensors") as tmp:
+        if dtype == "bfloat16":
+            _save_raw(tmp, out)
+        else:
+            save_file(out, str(tmp), metadata={"format": "pt"})
+    write_text(root / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True))
     return root
 
 

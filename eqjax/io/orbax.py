@@ -1,9 +1,21 @@
-"""Orbax checkpoints of (quantized) param trees, with the recipe that made them.
+"""Orbax checkpoints of (quantized) param trees, with the recipe and the model they belong to.
 
 Layout of a checkpoint directory::
 
     <dir>/arrays/      Orbax StandardCheckpointer tree: a flat {"path::field": array} dict
-    <dir>/eqjax.json   manifest: format version, recipe, model config, each leaf's kind + static metadata
+    <dir>/eqjax.json   manifest (written last): format version, recipe (name, description, full
+                       repr, KV-cache settings), model config and fingerprint, each leaf's kind, shape,
+                       dtype and static metadata, and the size + SHA-256 of every file under arrays/
+
+Saving is atomic: everything is written into a temporary sibling directory
+(``.<name>.tmp-<pid>-<random>``), fsync-ed, and renamed onto ``<dir>`` only when complete (an
+existing checkpoint is replaced only with ``overwrite=True``, after the new one is complete). A killed
+save leaves the previous checkpoint intact; the partial one is recognisable by its name and by its
+missing manifest, and :func:`load_quantized` refuses it with a clear error.
+
+Loading checks the manifest, every data file's size and checksum (a truncated or altered file is named),
+the finiteness of every restored parameter, and, given ``model=``, that the checkpoint was made for
+that model (config fingerprint and every parameter's shape), naming the parameter and both shapes.
 
 Packed codes are stored as the uint8 arrays the QArray holds (tensorstore has no uint4), so the
 bytes on disk equal ``tree_nbytes``. Restoring rebuilds the same pytree (QArray / ActQuantKernel
@@ -12,6 +24,7 @@ leaves with their static metadata), so logits are identical after a reload. Noth
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -20,14 +33,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.errors import CompatibilityError
+from eqjax.io.hf import CheckpointError
 from eqjax.linear import ActQuantKernel
 from eqjax.pytree import flatten
 from eqjax.qarray import Granularity, QArray, validate
 
-__all__ = ["save_quantized", "load_quantized", "FORMAT_VERSION"]
+__all__ = ["save_quantized", "load_quantized", "read_manifest", "FORMAT_VERSION", "model_fingerprint", "check_compatible",
+           "recipe_kv", "is_partial_checkpoint"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MANIFEST = "eqjax.json"
+_KV_FIELDS = ("key_bits", "value_bits", "outlier_fraction", "sink_tokens", "key_group", "value_group")
 
 
 def _qarray_meta(q: QArray) -> dict[str, Any]:
@@ -48,16 +65,88 @@ def _qarray_arrays(prefix: str, q: QArray, out: dict[str, Any]) -> None:
         out[f"{prefix}::zero_point"] = q.zero_point
 
 
+def _logical_shape(leaf: Any) -> list[int]:
+    if isinstance(leaf, ActQuantKernel):
+        return list(leaf.weight.shape)
+    if isinstance(leaf, QArray):
+        return list(leaf.shape)
+    return [int(s) for s in np.shape(leaf)]
+
+
+def model_fingerprint(model_or_config: Any) -> str:
+    """SHA-256 of a model's config (as HF config.json keys) and of every parameter's path and shape."""
+    from eqjax.models import Model, to_hf_config
+
+    model = model_or_config if isinstance(model_or_config, Model) else Model(model_or_config)
+    shapes = {p: list(s) for p, s in _shape_leaves(model.param_shapes())}
+    blob = json.dumps({"config": to_hf_config(model.config), "shapes": shapes}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _shape_leaves(shapes: Any) -> list[tuple[str, tuple[int, ...]]]:
+    import jax
+
+    from eqjax.pytree import path_str
+
+    leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    return [(path_str(k), tuple(int(d) for d in s)) for k, s in leaves]
+
+
+def _recipe_info(recipe: Any) -> dict[str, Any]:
+    """What the manifest records about the recipe: name, description, repr, KV settings."""
+    if recipe is None or isinstance(recipe, str):
+        return {"recipe": recipe or "", "recipe_description": "", "recipe_repr": "", "kv": None}
+    kv = getattr(recipe, "kv", None)
+    return {
+        "recipe": recipe.name,
+        "recipe_description": getattr(recipe, "description", ""),
+        "recipe_repr": repr(recipe),
+        "kv": None if kv is None else {f: getattr(kv, f) for f in _KV_FIELDS},
+    }
+
+
+def recipe_kv(manifest: dict[str, Any]) -> Any:
+    """The KV-cache quantizer a checkpoint's recipe used at evaluation time (a ``KVQuant``), or None."""
+    kv = manifest.get("kv")
+    if not kv:
+        return None
+    from eqjax.methods.kvquant import KVQuant
+
+    return KVQuant(**{k: kv[k] for k in _KV_FIELDS if k in kv})
+
+
+def _file_table(root: pathlib.Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            out[p.relative_to(root).as_posix()] = {"bytes": p.stat().st_size, "sha256": h.hexdigest()}
+    return out
+
+
 def save_quantized(
-    directory: str | os.PathLike[str], params: Any, *, recipe: str = "", model_config: dict | None = None
+    directory: str | os.PathLike[str], params: Any, *, recipe: Any = "", model_config: dict | None = None,
+    model: Any = None, overwrite: bool = False,
 ) -> pathlib.Path:
-    """Write ``params`` (nested dicts whose leaves are arrays, QArrays or ActQuantKernels)."""
+    """Write ``params`` (nested dicts whose leaves are arrays, QArrays or ActQuantKernels) atomically.
+
+    ``recipe``: a :class:`~eqjax.recipe.Recipe` (recorded in full, KV settings included) or its name.
+    ``model``: the :class:`~eqjax.models.Model` the params belong to (its config and fingerprint are
+    recorded so that loading into another model is refused); ``model_config`` (HF config keys) is the
+    older way to record the config alone. ``directory`` must be new or empty unless ``overwrite``.
+    """
     import orbax.checkpoint as ocp
 
+    from eqjax.atomic import atomic_directory, check_output_dir
+    from eqjax.models import to_hf_config
+    from eqjax.schema import check_params
+
     root = pathlib.Path(directory).absolute()
-    if root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"checkpoint directory {root} is not empty")
-    root.mkdir(parents=True, exist_ok=True)
+    check_output_dir(root, overwrite=overwrite, what="checkpoint directory")
+    check_params(params, f"params to save into {root}", allow_int=True)
     arrays: dict[str, Any] = {}
     leaves: dict[str, Any] = {}
     for path, leaf in flatten(params):
@@ -71,18 +160,37 @@ def save_quantized(
                 "act_bits": leaf.act_bits,
                 "act_granularity": leaf.act_granularity,
                 "static_scale": leaf.act_scale is not None,
+                "shape": list(leaf.weight.shape),
             }
             _qarray_arrays(path, leaf.weight, arrays)
             if leaf.act_scale is not None:
                 arrays[f"{path}::act_scale"] = leaf.act_scale
         else:
-            leaves[path] = {"kind": "array"}
+            leaves[path] = {"kind": "array", "shape": _logical_shape(leaf), "dtype": jnp.dtype(leaf.dtype).name}
             arrays[path] = leaf
-    ck = ocp.StandardCheckpointer()
-    ck.save(root / "arrays", arrays)
-    ck.wait_until_finished()
-    manifest = {"format": FORMAT_VERSION, "recipe": recipe, "model_config": model_config, "leaves": leaves}
-    (root / _MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if model is not None:
+        model_config = to_hf_config(model.config)
+    fingerprint = model_fingerprint(model) if model is not None else None
+    if fingerprint is None and model_config is not None:
+        try:
+            from eqjax.models.config import from_hf_config
+
+            fingerprint = model_fingerprint(from_hf_config(model_config))
+        except Exception:  # noqa: BLE001 - a config we cannot rebuild is recorded without a fingerprint
+            fingerprint = None
+    with atomic_directory(root, overwrite=overwrite) as tmp:
+        ck = ocp.StandardCheckpointer()
+        ck.save(tmp / "arrays", arrays)
+        ck.wait_until_finished()
+        manifest = {
+            "format": FORMAT_VERSION,
+            **_recipe_info(recipe),
+            "model_config": model_config,
+            "model_fingerprint": fingerprint,
+            "leaves": leaves,
+            "files": _file_table(tmp / "arrays"),
+        }
+        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
     return root
 
 
@@ -101,26 +209,142 @@ def _build_qarray(meta: dict[str, Any], arrays: dict[str, Any], prefix: str) -> 
     return validate(q, name=prefix)
 
 
-def load_quantized(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(params, manifest)`` from :func:`save_quantized`; the manifest holds the recipe and config."""
+def is_partial_checkpoint(directory: str | os.PathLike[str]) -> bool:
+    """True for what an interrupted :func:`save_quantized` leaves: a temporary directory or no manifest."""
+    root = pathlib.Path(directory)
+    return ".tmp-" in root.name or (root.is_dir() and (root / "arrays").exists() and not (root / _MANIFEST).is_file())
+
+
+def _verify_files(root: pathlib.Path, table: dict[str, Any]) -> None:
+    arrays = root / "arrays"
+    for rel, meta in table.items():
+        p = arrays / rel
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint data file missing ({p}): expected {meta['bytes']} bytes, found no file")
+        size = p.stat().st_size
+        if size != meta["bytes"]:
+            raise CheckpointError(
+                f"checkpoint data file {'truncated' if size < meta['bytes'] else 'grew'} ({p}): "
+                f"expected {meta['bytes']} bytes, found {size}"
+            )
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != meta["sha256"]:
+            raise CheckpointError(
+                f"checkpoint data file corrupt ({p}): expected SHA-256 {meta['sha256'][:16]}..., found {h.hexdigest()[:16]}..."
+            )
+
+
+def check_compatible(manifest: dict[str, Any], model: Any, *, source: str = "checkpoint") -> None:
+    """Refuse a checkpoint made for another model: CompatibilityError naming the config key or the
+    parameter path with the expected (model) and found (checkpoint) values."""
+    from eqjax.models import to_hf_config
+
+    want_cfg = to_hf_config(model.config)
+    have_cfg = manifest.get("model_config")
+    if isinstance(have_cfg, dict):
+        for k in sorted(set(want_cfg) | set(have_cfg)):
+            if k in ("dtype", "torch_dtype", "transformers_version"):
+                continue
+            if want_cfg.get(k) != have_cfg.get(k):
+                raise CompatibilityError(
+                    f"checkpoint made for another model ({source}: config key {k!r}): "
+                    f"expected {want_cfg.get(k)!r} (the model), found {have_cfg.get(k)!r} (the checkpoint)"
+                )
+    expected = dict(_shape_leaves(model.param_shapes()))
+    leaves = manifest.get("leaves", {})
+    for path, meta in leaves.items():
+        shape = meta.get("shape") or (meta.get("weight") or {}).get("shape")
+        if path not in expected:
+            raise CompatibilityError(
+                f"checkpoint made for another model ({source}: {path}): expected no such parameter, found one of shape {shape}"
+            )
+        if shape is not None and tuple(shape) != expected[path]:
+            raise CompatibilityError(
+                f"checkpoint made for another model ({source}: {path}): expected shape {expected[path]}, found {tuple(shape)}"
+            )
+    missing = [p for p in expected if p not in leaves]
+    if missing:
+        raise CompatibilityError(
+            f"checkpoint made for another model ({source}: {missing[0]}): expected shape {expected[missing[0]]}, "
+            f"found no such parameter ({len(missing)} missing)"
+        )
+    fp = manifest.get("model_fingerprint")
+    if fp and fp != model_fingerprint(model):
+        raise CompatibilityError(
+            f"checkpoint made for another model ({source}: model_fingerprint): expected {model_fingerprint(model)[:16]}..., "
+            f"found {fp[:16]}..."
+        )
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a checkpoint directory, checked (cheap: no array is read).
+
+    CheckpointError naming the directory for a missing directory, an interrupted save (no manifest),
+    a corrupt manifest or an unknown format.
+    """
+    root = pathlib.Path(directory).absolute()
+    if not root.exists():
+        raise CheckpointError(f"checkpoint not found ({root}): expected a directory written by eqjax quantize, found nothing")
+    if not root.is_dir():
+        raise CheckpointError(f"not an eqjax checkpoint ({root}): expected a directory, found a file")
+    mpath = root / _MANIFEST
+    if not mpath.is_file():
+        if is_partial_checkpoint(root):
+            raise CheckpointError(
+                f"incomplete checkpoint ({root}): expected {_MANIFEST}, found none (the save was interrupted; "
+                "the previous checkpoint, if any, is the directory without the .tmp- suffix)"
+            )
+        raise CheckpointError(f"not an eqjax checkpoint ({root}): expected {_MANIFEST}, found none")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt checkpoint manifest ({mpath}): {e}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("leaves"), dict):
+        raise CheckpointError(f"corrupt checkpoint manifest ({mpath}): expected an object with 'leaves', found {type(manifest).__name__}")
+    if manifest.get("format") not in (1, FORMAT_VERSION):
+        raise CheckpointError(
+            f"unsupported checkpoint format ({mpath}): expected 1 or {FORMAT_VERSION}, found {manifest.get('format')!r}"
+        )
+    return manifest
+
+
+def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, verify: bool = True
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(params, manifest)`` from :func:`save_quantized`; the manifest holds the recipe and config.
+
+    ``verify`` checks every data file's size and SHA-256 against the manifest before restoring; with
+    ``model`` the checkpoint must have been made for that model (see :func:`check_compatible`).
+    Every problem is a :class:`~eqjax.io.hf.CheckpointError` (or CompatibilityError) naming the file.
+    """
     import orbax.checkpoint as ocp
+
+    from eqjax.schema import check_params
 
     root = pathlib.Path(directory).absolute()
     mpath = root / _MANIFEST
-    if not mpath.is_file():
-        raise FileNotFoundError(f"{root} is not an eqjax checkpoint (no {_MANIFEST})")
+    manifest = read_manifest(root)
+    if model is not None:
+        check_compatible(manifest, model, source=str(root))
+    if verify and isinstance(manifest.get("files"), dict):
+        _verify_files(root, manifest["files"])
     try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{mpath}: corrupt manifest: {e}") from None
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{mpath}: unsupported checkpoint format {manifest.get('format')!r}")
-    arrays = ocp.StandardCheckpointer().restore(root / "arrays")
+        arrays = ocp.StandardCheckpointer().restore(root / "arrays")
+    except Exception as e:  # noqa: BLE001 - tensorstore/orbax raise many types on damaged data
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot restore the checkpoint arrays ({root / 'arrays'}): {type(e).__name__}: {first}") from None
     params: dict[str, Any] = {}
     for path, meta in manifest["leaves"].items():
         try:
             if meta["kind"] == "array":
                 leaf: Any = jnp.asarray(arrays[path])
+                want = meta.get("shape")
+                if want is not None and list(leaf.shape) != list(want):
+                    raise CheckpointError(
+                        f"checkpoint array has the wrong shape ({root}: {path}): expected {tuple(want)}, found {tuple(leaf.shape)}"
+                    )
             elif meta["kind"] == "qarray":
                 leaf = _build_qarray(meta, arrays, path)
             elif meta["kind"] == "act_quant":
@@ -128,14 +352,17 @@ def load_quantized(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], d
                 leaf = ActQuantKernel(_build_qarray(meta["weight"], arrays, path), act, int(meta["act_bits"]),
                                       meta["act_granularity"])
             else:
-                raise ValueError(f"unknown leaf kind {meta['kind']!r}")
+                raise CheckpointError(f"corrupt checkpoint manifest ({mpath}: {path}): unknown leaf kind {meta['kind']!r}")
         except KeyError as e:
-            raise ValueError(f"{root}: array {e} of parameter {path!r} is missing") from None
+            raise CheckpointError(f"checkpoint array missing ({root}: {path}): expected {e}, found nothing") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"corrupt checkpoint entry ({root}: {path}): {e}") from None
         node = params
         *heads, last = path.split("/")
         for h in heads:
             node = node.setdefault(h, {})
         node[last] = leaf
+    check_params(params, str(root), allow_int=True)
     return params, manifest
-
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Literal, Mapping
+from eqjax.errors import InputError
 
 __all__ = [
     "ConfigError",
@@ -34,7 +35,7 @@ _ARCH_OF = {v: k for k, v in _ARCHITECTURES.items()}
 _ROPE_TYPES = ("linear", "llama3")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A model configuration is invalid or describes an architecture eqjax does not support."""
 
 

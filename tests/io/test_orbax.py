@@ -1,11 +1,15 @@
 """Orbax save/restore of quantized params: identical logits after a reload, clear errors."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.io.orbax import load_quantized, save_quantized
+from eqjax.errors import CompatibilityError, NonFiniteError, OutputError
+from eqjax.io.hf import CheckpointError
+from eqjax.io.orbax import is_partial_checkpoint, load_quantized, model_fingerprint, recipe_kv, save_quantized
 from eqjax.models import LlamaConfig, Model
 from eqjax.recipe import quantize
 from eqjax.recipes import get_recipe
@@ -27,9 +31,80 @@ def test_reload_gives_identical_logits(tmp_path, name):
 
 
 def test_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not an eqjax checkpoint"):
+    with pytest.raises(CheckpointError, match="not an eqjax checkpoint"):
         load_quantized(tmp_path)
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        load_quantized(tmp_path / "nope")
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "f").write_text("")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(OutputError, match="not empty"):
         save_quantized(tmp_path / "x", {"a": jnp.ones(2)})
+    assert (tmp_path / "x" / "f").read_text() == ""
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(OutputError, match="directory, found a file"):
+        save_quantized(tmp_path / "file", {"a": jnp.ones(2)})
+    with pytest.raises(NonFiniteError, match=r"a\b.*index \(1,\)"):
+        save_quantized(tmp_path / "nan", {"a": jnp.asarray([1.0, jnp.nan])})
+    assert not (tmp_path / "nan").exists()
+
+
+def _tiny():
+    model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
+    return model, model.init_params(jax.random.PRNGKey(1))
+
+
+def test_manifest_records_recipe_model_and_files(tmp_path):
+    model, params = _tiny()
+    recipe = get_recipe("kv4")
+    save_quantized(tmp_path / "ck", params, recipe=recipe, model=model)
+    m = json.loads((tmp_path / "ck" / "eqjax.json").read_text())
+    assert m["recipe"] == "kv4" and m["kv"]["key_bits"] == 4 and "KVQuant" in m["recipe_repr"]
+    assert m["model_fingerprint"] == model_fingerprint(model) and m["model_config"]["hidden_size"] == 64
+    assert m["leaves"]["embed/embedding"]["shape"] == [64, 64]
+    assert m["files"] and all(v["bytes"] > 0 and len(v["sha256"]) == 64 for v in m["files"].values())
+    _, m2 = load_quantized(tmp_path / "ck", model=model)
+    assert recipe_kv(m2) == recipe.kv
+
+
+def test_refuses_another_model(tmp_path):
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", quantize(params, get_recipe("w8")), recipe="w8", model=model)
+    other = Model(LlamaConfig(vocab=64, hidden=32, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
+    with pytest.raises(CompatibilityError, match="another model.*config key"):
+        load_quantized(tmp_path / "ck", model=other)
+    # no recorded config (an API save): the shapes still decide
+    save_quantized(tmp_path / "bare", quantize(params, get_recipe("w8")), recipe="w8")
+    with pytest.raises(CompatibilityError, match=r"embed/embedding\): expected shape \(64, 32\), found \(64, 64\)"):
+        load_quantized(tmp_path / "bare", model=other)
+
+
+def test_damaged_files_are_named(tmp_path):
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
+    data = max((p for p in (tmp_path / "ck" / "arrays").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    blob = data.read_bytes()
+    data.write_bytes(blob[:-10])
+    with pytest.raises(CheckpointError, match=rf"truncated \(.*{data.name}\): expected {len(blob)} bytes, found {len(blob) - 10}"):
+        load_quantized(tmp_path / "ck")
+    data.write_bytes(bytes([blob[0] ^ 1]) + blob[1:])
+    with pytest.raises(CheckpointError, match="corrupt.*SHA-256"):
+        load_quantized(tmp_path / "ck")
+
+
+def test_overwrite_is_atomic(tmp_path):
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
+    save_quantized(tmp_path / "ck", quantize(params, get_recipe("w8")), recipe="w8", model=model, overwrite=True)
+    q, m = load_quantized(tmp_path / "ck", model=model)
+    assert m["recipe"] == "w8" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_partial_checkpoint_is_refused(tmp_path):
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
+    partial = tmp_path / ".ck.tmp-999999-dead"
+    (tmp_path / "ck").rename(partial)
+    (partial / "eqjax.json").unlink()
+    assert is_partial_checkpoint(partial)
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        load_quantized(partial)

@@ -1,0 +1,350 @@
+"""Atomic, checked outputs: a target is either its previous version or the complete new one, never half.
+
+Files: the data goes to a temporary sibling ``.<name>.tmp-<pid>-<random>`` in the target's directory,
+is flushed and ``fsync``-ed, then ``os.replace``-d over the target and the directory is ``fsync``-ed.
+A process killed mid-write leaves the previous target untouched and at most a temporary file whose
+name says what it was (:func:`stale_temps`; removed by the next write to the same target once its
+process is gone).
+
+Directories (checkpoints): written into a temporary sibling directory, every file ``fsync``-ed, then
+renamed onto the target (an existing target, with ``overwrite``, is first moved aside and deleted
+after the swap).
+
+Pre-flight: :func:`check_output_file` / :func:`check_output_dir` raise :class:`~eqjax.errors.OutputError`
+*before* any work when a target exists (without ``overwrite``) or cannot be written (its nearest
+existing ancestor is not a writable directory: tested by creating a file there, so it also holds for
+root and read-only mounts).
+
+Row logs: :class:`JsonLines` appends one JSON object per line and ``fsync``-s it, so a killed run
+keeps every finished row; a torn last line (killed mid-append) is dropped on reading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+import secrets
+import shutil
+from typing import IO, Any, Iterator
+
+from eqjax.errors import NonFiniteResult, OutputError
+
+__all__ = [
+    "check_output_file", "check_output_dir", "atomic_file", "atomic_path", "atomic_directory",
+    "write_bytes", "write_text", "write_json", "dumps_json", "stale_temps", "JsonLines", "fsync_tree",
+]
+
+_TMP = ".tmp-"
+
+
+def _temp_sibling(path: pathlib.Path, suffix: str = "") -> pathlib.Path:
+    return path.parent / f".{path.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temps(path: str | os.PathLike[str]) -> list[pathlib.Path]:
+    """Leftover temporaries of ``path`` (``.<name>.tmp-<pid>-*``) whose writer process is gone."""
+    p = pathlib.Path(path)
+    out = []
+    if not p.parent.is_dir():
+        return out
+    prefix = f".{p.name}{_TMP}"
+    for q in p.parent.iterdir():
+        if q.name.startswith(prefix):
+            pid = q.name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                out.append(q)
+    return sorted(out)
+
+
+def _remove(p: pathlib.Path) -> None:
+    try:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _clean_stale(path: pathlib.Path) -> None:
+    for q in stale_temps(path):
+        _remove(q)
+
+
+def _fsync_dir(d: pathlib.Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """``fsync`` every file and directory under ``root`` (bottom-up)."""
+    root = pathlib.Path(root)
+    for d, _dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            fp = os.path.join(d, f)
+            if os.path.islink(fp):
+                continue
+            try:
+                fd = os.open(fp, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(pathlib.Path(d))
+
+
+# ------------------------------------------------------------------------------------ pre-flight
+def _nearest_existing(p: pathlib.Path) -> pathlib.Path:
+    q = p
+    while not q.exists():
+        if q.parent == q:
+            break
+        q = q.parent
+    return q
+
+
+def _probe_writable(d: pathlib.Path, target: pathlib.Path, what: str) -> None:
+    """Create and delete a file in the existing directory ``d``; OutputError naming ``target`` if that fails."""
+    if not d.is_dir():
+        raise OutputError(f"cannot write the {what} ({target}): expected a directory at {d}, found a file")
+    probe = d / f".eqjax-write-probe{_TMP}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(
+            f"cannot write the {what} ({target}): expected a writable directory {d}, found {e.strerror or e}"
+        ) from None
+
+
+def check_output_file(path: str | os.PathLike[str], *, overwrite: bool = False, what: str = "output file") -> pathlib.Path:
+    """Check, before any work, that ``path`` can be written: OutputError naming it otherwise.
+
+    It must not be a directory; it must not exist unless ``overwrite``; its nearest existing ancestor
+    must be a writable directory (missing parents are created at write time).
+    """
+    p = pathlib.Path(path).expanduser()
+    if str(path) in ("", "."):
+        raise OutputError(f"empty {what} path: expected a file name, found {str(path)!r}")
+    if p.is_dir():
+        raise OutputError(f"cannot write the {what} ({p}): expected a file path, found a directory")
+    if p.exists() or p.is_symlink():
+        if not overwrite:
+            raise OutputError(f"{what} exists ({p}): expected a new path, found an existing file (pass --overwrite to replace it)")
+        _probe_writable(p.parent, p, what)
+        return p
+    _probe_writable(_nearest_existing(p.parent), p, what)
+    return p
+
+
+def check_output_dir(
+    path: str | os.PathLike[str], *, overwrite: bool = False, what: str = "output directory",
+    allow_nonempty: bool = False,
+) -> pathlib.Path:
+    """Check, before any work, that directory ``path`` can be created or replaced.
+
+    An existing non-empty directory is refused unless ``overwrite`` (or ``allow_nonempty``, for
+    directories whose individual files are checked separately); a file at ``path`` is always refused.
+    """
+    p = pathlib.Path(path).expanduser()
+    if str(path) == "":
+        raise OutputError(f"empty {what} path: expected a directory name, found ''")
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"cannot write the {what} ({p}): expected a directory, found a file")
+    if p.is_dir():
+        if any(p.iterdir()) and not (overwrite or allow_nonempty):
+            raise OutputError(
+                f"{what} is not empty ({p}): expected a new or empty directory, found existing files "
+                "(pass --overwrite to replace it)"
+            )
+        _probe_writable(p, p, what)
+        if p.parent != p:
+            _probe_writable(_nearest_existing(p.parent), p, what)
+        return p
+    _probe_writable(_nearest_existing(p.parent), p, what)
+    return p
+
+
+# ------------------------------------------------------------------------------------ files
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], *, suffix: str | None = None) -> Iterator[pathlib.Path]:
+    """Yield a temporary path next to ``path`` for a writer that takes a file name (``savefig``,
+    ``onnx.save``, ``np.save``); on success it is fsync-ed and renamed onto ``path``.
+
+    ``suffix`` (default: ``path``'s own suffix) keeps writers that pick a format by extension happy.
+    On an exception the temporary is removed and ``path`` is untouched.
+    """
+    p = pathlib.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(p)
+    tmp = _temp_sibling(p, p.suffix if suffix is None else suffix)
+    try:
+        yield tmp
+        if not tmp.exists():
+            raise OutputError(f"the writer produced no file ({p}): expected {tmp}, found nothing")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+        _fsync_dir(p.parent)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], mode: str = "wb", **open_kw: Any) -> Iterator[IO[Any]]:
+    """``open(tmp, mode)`` for writing; on success flush + fsync + rename onto ``path``."""
+    if not any(c in mode for c in "wax"):
+        raise ValueError(f"atomic_file needs a write mode, got {mode!r}")
+    with atomic_path(path) as tmp:
+        with open(tmp, mode.replace("a", "w").replace("x", "w"), **open_kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> pathlib.Path:
+    """Atomically write ``data`` to ``path``."""
+    with atomic_file(path, "wb") as f:
+        f.write(data)
+    return pathlib.Path(path)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> pathlib.Path:
+    """Atomically write UTF-8 ``text`` to ``path``."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def _first_nonfinite(obj: Any, where: str = "") -> str | None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "<value>"
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            hit = _first_nonfinite(v, f"{where}.{k}" if where else str(k))
+            if hit:
+                return hit
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            hit = _first_nonfinite(v, f"{where}[{i}]")
+            if hit:
+                return hit
+    return None
+
+
+def dumps_json(obj: Any, *, indent: int | None = 1, source: str = "JSON output") -> str:
+    """``json.dumps`` that refuses NaN/Infinity (JSON has none) with an error naming the key."""
+    try:
+        return json.dumps(obj, indent=indent, allow_nan=False)
+    except ValueError:
+        where = _first_nonfinite(obj) or "?"
+        raise NonFiniteResult(f"non-finite number in the {source} ({where}): expected a finite value, found NaN/Inf") from None
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> pathlib.Path:
+    """Atomically write ``obj`` as strict JSON (no NaN/Infinity) to ``path``."""
+    return write_text(path, dumps_json(obj, indent=indent, source=str(path)) + "\n")
+
+
+# ------------------------------------------------------------------------------------ directories
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[pathlib.Path]:
+    """Yield a temporary sibling directory to fill; on success it becomes ``path``.
+
+    ``path`` must not exist, be an empty directory, or (with ``overwrite``) any directory: it is moved
+    aside, the new one renamed into place, then the old one deleted. On an exception (or a kill) the
+    previous ``path`` is intact; a killed writer leaves ``.<name>.tmp-<pid>-*``, removed by the next write.
+    """
+    p = pathlib.Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"cannot write the directory ({p}): expected a directory, found a file")
+    if p.is_dir() and any(p.iterdir()) and not overwrite:
+        raise OutputError(
+            f"directory is not empty ({p}): expected a new or empty directory, found existing files "
+            "(pass --overwrite to replace it)"
+        )
+    p.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(p)
+    tmp = _temp_sibling(p)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if p.is_dir():
+            old = _temp_sibling(p, ".old")
+            os.rename(p, old)
+            try:
+                os.rename(tmp, p)
+            except BaseException:
+                os.rename(old, p)
+                raise
+            _fsync_dir(p.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, p)
+        _fsync_dir(p.parent)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+# ------------------------------------------------------------------------------------ row logs
+class JsonLines:
+    """An append-only log of JSON objects, one per line, each appended line fsync-ed."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = pathlib.Path(path)
+
+    def append(self, obj: Any) -> None:
+        line = dumps_json(obj, indent=None, source=str(self.path)) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "ab") as f:
+            if f.tell() > 0:
+                # a previous writer killed mid-line left a torn record: start on a fresh line
+                with open(self.path, "rb") as r:
+                    r.seek(-1, os.SEEK_END)
+                    if r.read(1) != b"\n":
+                        f.write(b"\n")
+            f.write(line.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> tuple[list[Any], int]:
+        """``(records, torn)``: every complete record, and how many unparsable lines were skipped."""
+        if not self.path.is_file():
+            return [], 0
+        out, torn = [], 0
+        for line in self.path.read_bytes().split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line.decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                torn += 1
+        return out, torn

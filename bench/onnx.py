@@ -105,10 +105,10 @@ def main(argv=None) -> int:
     from eqjax.evaluate import perplexity
     from eqjax.export.onnx import export_onnx, make_session, onnx_perplexity
     from eqjax.io.gguf import load_gguf
-    from eqjax.methods.rtn import quantize_by_rules
+    from eqjax.methods.rtn import RTN
     from eqjax.models import Model
     from eqjax.pytree import tree_nbytes
-    from eqjax.recipe import quantize
+    from eqjax.recipe import Recipe, quantize
     from eqjax.recipes import get_recipe
     from eqjax.rules import Rule
     from eqjax.search import Candidate
@@ -127,14 +127,14 @@ def main(argv=None) -> int:
         for path, leaf in _kernels(params):
             spec = Candidate(4, 128).spec(int(leaf.shape[0]))
             rules.append(Rule(_re(path), spec))
-        return quantize_by_rules(params, tuple(rules))
+        return quantize(params, Recipe("w4", (RTN(tuple(rules)),)))
 
     variants = {
         "fp32": ("fp", lambda: params),
         "w8a8-sq": ("w8a8-smoothquant", lambda: quantize(params, get_recipe("w8a8-smoothquant"), model=model,
                                                           calibration=cal)),
         "w4": ("w4 asym g128 (g64 on 576-wide inputs), RTN", w4_params),
-        "w8": ("w8 (per-channel symmetric, weight-only)", lambda: quantize(params, get_recipe("w8"))),
+        "w8": ("w8 (per-channel symmetric, weight-only)", lambda: quantize(params, get_recipe("w8"), model=model)),
     }
     results: list[dict] = []
     fp_path = None

@@ -179,6 +179,16 @@ def _model_logits(model: Any) -> Callable[..., Any]:
     return lambda p, tokens: model.apply(p, tokens)[0]
 
 
+# method name -> "module:Class"; each class has ``from_config(dict) -> step``.
+STEP_TYPES: dict[str, str] = {
+    "rtn": "eqjax.methods.rtn:RTN",
+    "gptq": "eqjax.methods.gptq:GPTQ",
+    "awq": "eqjax.methods.awq:AWQ",
+    "smoothquant": "eqjax.methods.smoothquant:SmoothQuant",
+    "zeroquant_lkd": "eqjax.methods.lkd:ZeroQuantLKD",
+}
+
+
 def step_kwargs(
     cls: type, d: Mapping[str, Any], method: str, *, exclude: tuple[str, ...] = ("name",),
     tuples: tuple[str, ...] = (),

@@ -136,15 +136,15 @@ def test_recipe_files_toml_and_json(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("entry, match", [
-    ({"pattern": ".*", "symmetric": "false"}, "symmetric must be bool"),
-    ({"pattern": ".*", "bits": 4.7}, "bits must be int"),
-    ({"pattern": ".*", "bits": True}, "bits must be int"),
-    ({"pattern": ".*", "granularity": "group"}, "needs group_size"),
-    ({"pattern": ".*", "granularity": "group", "group_size": 0}, "group_size must be >= 1"),
-    ({"pattern": ".*", "skip": True, "bits": 4}, "conflicts"),
-    ({"pattern": ".*", "colour": 1}, "unknown rule key"),
-    ({"pattern": ".*", "role": "norm"}, "role must be one of"),
-    ({"pattern": ".*", "granularity": "tensor", "axis": 0}, "takes no axis"),
+    ({"pattern": ".*", "symmetric": "false"}, r"rule.symmetric\): expected true or false.*found str 'false'"),
+    ({"pattern": ".*", "bits": 4.7}, r"rule.bits\): expected an integer in 2..8, found float 4.7"),
+    ({"pattern": ".*", "bits": True}, r"rule.bits\): expected an integer in 2..8, found bool True"),
+    ({"pattern": ".*", "granularity": "group"}, r"rule.group_size\): expected a group size"),
+    ({"pattern": ".*", "granularity": "group", "group_size": 0}, r"rule.group_size\): expected an integer in 1..65536"),
+    ({"pattern": ".*", "skip": True, "bits": 4}, "skip"),
+    ({"pattern": ".*", "colour": 1}, "colour"),
+    ({"pattern": ".*", "role": "norm"}, r"rule.role\): expected one of"),
+    ({"pattern": ".*", "granularity": "tensor", "axis": 0}, "no axis with granularity = 'tensor'"),
 ])
 def test_rule_values_are_typed_not_coerced(entry, match):
     with pytest.raises(RuleError, match=match):

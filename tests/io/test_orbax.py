@@ -68,12 +68,12 @@ def test_manifest_records_recipe_model_and_files(tmp_path):
 
 def test_refuses_another_model(tmp_path):
     model, params = _tiny()
-    save_quantized(tmp_path / "ck", quantize(params, get_recipe("w8")), recipe="w8", model=model)
+    save_quantized(tmp_path / "ck", quantize(params, get_recipe("w8"), model=model), recipe="w8", model=model)
     other = Model(LlamaConfig(vocab=64, hidden=32, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
     with pytest.raises(CompatibilityError, match="another model.*config key"):
         load_quantized(tmp_path / "ck", model=other)
     # no recorded config (an API save): the shapes still decide
-    save_quantized(tmp_path / "bare", quantize(params, get_recipe("w8")), recipe="w8")
+    save_quantized(tmp_path / "bare", quantize(params, get_recipe("w8"), model=model), recipe="w8")
     with pytest.raises(CompatibilityError, match=r"embed/embedding\): expected shape \(64, 32\), found \(64, 64\)"):
         load_quantized(tmp_path / "bare", model=other)
 
@@ -94,7 +94,7 @@ def test_damaged_files_are_named(tmp_path):
 def test_overwrite_is_atomic(tmp_path):
     model, params = _tiny()
     save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
-    save_quantized(tmp_path / "ck", quantize(params, get_recipe("w8")), recipe="w8", model=model, overwrite=True)
+    save_quantized(tmp_path / "ck", quantize(params, get_recipe("w8"), model=model), recipe="w8", model=model, overwrite=True)
     q, m = load_quantized(tmp_path / "ck", model=model)
     assert m["recipe"] == "w8" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 

@@ -151,7 +151,7 @@ class Fixtures:
 
         model, params, _ = load_model(self.root / "tiny")
         rec = get_recipe(recipe)
-        save_quantized(out, quantize(params, rec), recipe=rec, model=model)
+        save_quantized(out, quantize(params, rec, model=model), recipe=rec, model=model)
         return out
 
     def values(self) -> dict[str, str]:
@@ -419,10 +419,10 @@ def _api_quantize_nan(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
     from eqjax.recipe import quantize
     from eqjax.recipes import get_recipe
 
-    _, params, _ = load_model(fx.root / "tiny")
+    model, params, _ = load_model(fx.root / "tiny")
     params["layers_1"]["mlp_norm"]["scale"] = np.asarray(params["layers_1"]["mlp_norm"]["scale"]).copy()
     params["layers_1"]["mlp_norm"]["scale"][5] = np.nan
-    return quantize(params, get_recipe("w8"))
+    return quantize(params, get_recipe("w8"), model=model)
 
 
 def _api_ppl_bad_ids(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
@@ -631,7 +631,7 @@ def _kill_checkpoint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
         from eqjax.recipe import quantize
         from eqjax.recipes import get_recipe
         model, params, _ = load_model(fx.root / "tiny")
-        save_quantized(sys.argv[1], quantize(params, get_recipe("w4g128-rtn")), recipe="w4g128-rtn", model=model,
+        save_quantized(sys.argv[1], quantize(params, get_recipe("w4g128-rtn"), model=model), recipe="w4g128-rtn", model=model,
                        overwrite=True)
     """, str(ck), str(pathlib.Path(__file__).parent), str(fx.root))
     if not _wait_line(p, "saving"):

@@ -27,8 +27,9 @@ QArray, 2 or 4 bits (weight-only)   ``com.microsoft.MatMulNBits``: B uint8 ``[N,
 ActQuantKernel (W8A8)               per-token (or per-tensor) symmetric int8 activations built by
                                     hand: ``ReduceMax(Abs)`` -> ``Where(amax>0, amax/127, 1)`` ->
                                     ``Round(x/s)`` -> ``Clip(-127,127)`` -> ``+128``, ``Cast uint8``
-                                    -> ``MatMulInteger`` (u8 with a_zero_point 128 x s8 -> int32,
-                                    the same integers as int8 x int8, onnxruntime's fast kernel) -> ``Cast`` -> ``Mul``
+                                    -> ``MatMulInteger`` (u8 ``q + 128``, a_zero_point 128 x u8
+                                    ``w + 128``, b_zero_point 128 -> int32: exactly eqjax's
+                                    int8 x int8 sums on every CPU, see below) -> ``Cast`` -> ``Mul``
                                     by the weight scales -> ``Mul`` by the token scales: the same
                                     arithmetic, in the same order, as :func:`eqjax.linear.linear`
                                     (ONNX ``Round`` is half-to-even like ``jnp.round``). Group-wise
@@ -36,6 +37,18 @@ ActQuantKernel (W8A8)               per-token (or per-tensor) symmetric int8 act
                                     groups and a ``ReduceSum``. SmoothQuant needs nothing here: it
                                     is folded into the norms and kernels before export.
 ==================================  ==========================================================
+
+Why both W8A8 operands are uint8: onnxruntime's MLAS runs a u8 x s8 ``MatMulInteger`` on x86-64 CPUs
+without VNNI (AVX2-only, AVX-512 without VNNI, SSE4.1) with ``vpmaddubsw``, which adds the two
+products of adjacent K positions into a *saturating* int16: ``2 * 255 * 127 = 64770 > 32767``, so the
+integer sums are wrong whenever an activation code above 0 (uint8 > 128) meets a large weight pair
+(seen as 47 of 672 wrong outputs, up to 0.29 off). MLAS's u8 x u8 kernels widen both operands to 16 bits
+and add product pairs with ``vpmaddwd`` into int32 (``2 * 255 * 255 = 130050``), or use
+VNNI-INT8 / NEON dot products with 32-bit sums: exact on every CPU. (s8 x s8 has no x86 kernel before
+AVX-VNNI-INT8 and runs ~10x slower; splitting activations into two half-range u8 x s8 products is also
+exact but doubles the weights and is slower at decode.) The price, on an AVX-512 VNNI CPU where u8 x s8
+is exact and fastest: a 512 x 576 x 1536 W8A8 layer takes ~3.1 ms instead of ~1.7 ms (2 threads); a
+one-token decode step costs the same.
 
 Not expressible (raise :class:`ExportError` naming the layer): 3-, 5-, 6-, 7-bit packed codes in a
 weight-only 2/4-bit path (3-bit has no ONNX/ORT kernel), a non-power-of-two 2/4-bit block size,
@@ -241,6 +254,22 @@ def _emit_matmulnbits(G: _Graph, x: str, q: QArray, hint: str, accuracy_level: i
     return G.op("MatMulNBits", ins, domain=MS_DOMAIN, hint=hint, **attrs)
 
 
+W8A8_ZERO_POINT = 128
+"""Zero point of both uint8 ``MatMulInteger`` operands of the W8A8 lowering (codes are ``q + 128``)."""
+
+
+def w8a8_weight_codes(w: QArray) -> np.ndarray:
+    """uint8 ``[K, N]`` weight operand of the W8A8 ``MatMulInteger``: ``integer_values(w) + 128``.
+
+    ``w`` is symmetric (``check_exportable``), so its integers lie in ``[-127, 127]`` and the codes in
+    ``[1, 255]``.
+    """
+    iv = np.asarray(integer_values(w)).astype(np.int32)
+    if iv.size and (iv.min() < -127 or iv.max() > 127):
+        raise ExportError(f"W8A8 weight integers {iv.min()}..{iv.max()} do not fit int8 [-127, 127]")
+    return (iv + W8A8_ZERO_POINT).astype(np.uint8)
+
+
 def _emit_w8a8(G: _Graph, x: str, k: ActQuantKernel, hint: str) -> str:
     w = k.weight
     K, N = w.shape
@@ -259,23 +288,24 @@ def _emit_w8a8(G: _Graph, x: str, k: ActQuantKernel, hint: str) -> str:
         pos = G.op("Greater", [amax, G.const(0.0)])
         s = G.op("Where", [pos, G.op("Div", [amax, G.const(qmax)]), G.const(1.0)], hint=hint + "_sx")
     r = G.op("Round", [G.op("Div", [x2, s])])
-    # q in [-127, 127] is carried as uint8 q + 128 with a_zero_point 128: the same integers, but the
-    # u8 x s8 MatMulInteger kernel of onnxruntime's MLAS is much faster than s8 x s8.
+    # Both operands are uint8 with zero point 128 (q + 128 and w + 128): the same integers as eqjax's
+    # int8 x int8, and a u8 x u8 MatMulInteger never saturates (see the module docs: u8 x s8 does on
+    # x86 CPUs without VNNI).
     qx = G.op("Cast", [G.op("Add", [G.op("Clip", [r, G.const(-qmax), G.const(qmax)]), G.const(128.0)])],
               to=TensorProto.UINT8, hint=hint + "_qx")
-    azp = G.const(128, np.uint8)
-    iv = np.asarray(integer_values(w)).astype(np.int8)  # [K, N]
+    zp = G.const(W8A8_ZERO_POINT, np.uint8)
+    wq = w8a8_weight_codes(w)  # [K, N] uint8
     ws = _scale_np(w)
     g = w.granularity
     if g.kind == "group":
         gs = g.group_size
         ng = K // gs
         q3 = G.op("Transpose", [G.op("Reshape", [qx, G.const([-1, ng, gs], np.int64)])], perm=[1, 0, 2])
-        acc = G.op("MatMulInteger", [q3, G.init(hint + "_wq", iv.reshape(ng, gs, N)), azp])  # [ng, M, N]
+        acc = G.op("MatMulInteger", [q3, G.init(hint + "_wq", wq.reshape(ng, gs, N)), zp, zp])  # [ng, M, N]
         y = G.op("Mul", [G.op("Cast", [acc], to=TensorProto.FLOAT), G.init(hint + "_ws", ws.reshape(ng, 1, N))])
         y = G.op("ReduceSum", [y, G.const([0], np.int64)], keepdims=0)
     else:
-        acc = G.op("MatMulInteger", [qx, G.init(hint + "_wq", iv), azp])
+        acc = G.op("MatMulInteger", [qx, G.init(hint + "_wq", wq), zp, zp])
         y = G.op("Mul", [G.op("Cast", [acc], to=TensorProto.FLOAT), G.init(hint + "_ws", ws.reshape(1, -1))])
     y = G.op("Mul", [y, s])
     return G.op("Reshape", [y, out_shape], hint=hint)

@@ -249,7 +249,7 @@ def run_peer(name: str, cfg: dict, py: pathlib.Path, cache: pathlib.Path, timeou
         return row
 
 
-def run_eqjax(recipe: str) -> dict:
+def run_eqjax(recipe: str, threads: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "row.json"
         cmd = [sys.executable, "-m", "eqjax.cli", "eval", "--recipe", recipe, "--eval-tokens",
@@ -257,14 +257,19 @@ def run_eqjax(recipe: str) -> dict:
                "--calib-ctx", str(CALIB_CTX), "--json", str(out)]
         t0 = time.perf_counter()
         la0 = os.getloadavg()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        env = dict(os.environ)
+        if threads:  # the same thread budget as the peers: one XLA CPU thread
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                                f"intra_op_parallelism_threads={threads}").strip()
+            env["OMP_NUM_THREADS"] = str(threads)
+        proc = subprocess.run(["nice", "-n", "19", *cmd], capture_output=True, text=True, cwd=ROOT, env=env)
         wall = time.perf_counter() - t0
         row = {"recipe": recipe, "process_seconds": wall, "loadavg_start": la0, "loadavg_end": os.getloadavg()}
         if proc.returncode != 0:
             row["error"] = (proc.stderr or proc.stdout)[-800:]
         else:
             res = json.loads(out.read_text())
-            row.update({k: res[k] for k in ("ppl", "quantize_seconds", "weight_bits", "size_mb") if k in res})
+            row.update({k: res[k] for k in ("ppl", "quantize_seconds", "w_bits", "size_mb", "predictions", "description") if k in res})
             row["result"] = {k: v for k, v in res.items() if k != "protocol"}
         return row
 
@@ -373,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eqjax-recipes", default="", help="eqjax recipes to (re-)run in the same run, e.g. fp,w4g128-awq-gptq")
     ap.add_argument("--timeout", type=float, default=None, help="wall limit per peer row in s (default 1 h; SignRound 2.5 h)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eqjax-only", action="store_true", help="run only the --eqjax-recipes rows, no peer row")
     ap.add_argument("--force", action="store_true", help="re-run peer rows even when cached")
     ap.add_argument("--probe", action="store_true", help="SignRound timing probe on the first 2 blocks")
     ap.add_argument("--markdown", action="store_true", help="only regenerate peers.md")
@@ -397,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         if "eqjax_fp_ppl" not in data or data.get("eqjax_fp_ids") != meta["ids_sha256"]:
             data.pop("eqjax_fp_ppl", None)
         out.write_text(json.dumps(data, indent=1) + "\n")
-    names = [n for n in (args.only.split(",") if args.only else cfgs) if n and n not in args.skip.split(",")]
+    names = [] if args.eqjax_only else [
+        n for n in (args.only.split(",") if args.only else cfgs) if n and n not in args.skip.split(",")]
     if "eqjax_fp_ppl" not in data and ("fp-torch" in names or args.eqjax_recipes):
         # the FP reference the torch FP row is checked against, and the 'vs FP' base
         print("eqjax fp ...", flush=True)
@@ -411,11 +418,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for recipe in [x for x in args.eqjax_recipes.split(",") if x]:
         print(f"eqjax {recipe} ...", flush=True)
-        r = run_eqjax(recipe)
+        r = run_eqjax(recipe, args.threads)
         r.update(key=f"eqjax|{git_commit()}|{recipe}|{meta['ids_sha256'][:16]}", tool="eqjax", version=git_commit(),
-                 name=recipe, ids_sha256=meta["ids_sha256"], threads=f"XLA ({os.cpu_count()} cores)",
+                 name=recipe, ids_sha256=meta["ids_sha256"], threads=args.threads,
                  what="every decoder linear; tied embedding / lm_head float",
-                 config={"bits": r.get("weight_bits", ""), "group": 128 if "g128" in recipe else "",
+                 config={"bits": r.get("w_bits", ""), "group": 128 if "g128" in recipe else "",
                          "sym": "sym" in recipe, "calib": f"{CALIB_WINDOWS} x {CALIB_CTX}" if any(
                              m in recipe for m in ("gptq", "awq", "smooth", "lkd")) else "-", "iters": ""},
                  date=datetime.datetime.now().isoformat(timespec="seconds"))

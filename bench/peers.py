@@ -60,6 +60,7 @@ PEER_PKG = {"auto-round": "auto-round", "llmcompressor": "llmcompressor", "gptqm
 
 NOTES = {
     "fp-torch": "the FP checkpoint in torch (the 0.1 % check against eqjax's FP).",
+    "fp-torch-llmc": "the FP checkpoint in the llm-compressor env (transformers 5.17.0).",
     "rtn-torch-w4g128-sym": "sanity row: plain RTN in torch, scale = absmax / 7, codes -8..7.",
     "rtn-torch-w4g128-asym": "sanity row: plain RTN in torch, min/max (0 included), codes 0..15.",
     "autoround-i0": "iters=0 is AutoRound's (optimized) RTN: sym W4 searches scales weighted by an activation "
@@ -83,6 +84,8 @@ def configs(signround_iters: int = SIGNROUND_ITERS) -> dict[str, dict]:
     n = signround_iters
     c = {
         "fp-torch": {"peer": "fp", "venv": "autoround", "bits": 32, "group": 0, "sym": True, "iters": 0, "calib": "-"},
+        "fp-torch-llmc": {"peer": "fp", "venv": "llmcompressor", "bits": 32, "group": 0, "sym": True, "iters": 0,
+                          "calib": "-"},
         "rtn-torch-w4g128-sym": {"peer": "rtn-torch", "venv": "autoround", "bits": 4, "group": 128, "sym": True,
                                  "iters": 0, "calib": "-"},
         "rtn-torch-w4g128-asym": {"peer": "rtn-torch", "venv": "autoround", "bits": 4, "group": 128, "sym": False,
@@ -310,6 +313,7 @@ def markdown(data: dict, meta: dict) -> str:
     rows = [r for r in data["rows"] if r.get("ids_sha256") == meta["ids_sha256"]]
     fp = data.get("eqjax_fp_ppl")
     torch_fp = next((r["ppl"] for r in rows if r["name"] == "fp-torch" and "ppl" in r), None)
+    torch_fp2 = next((r for r in rows if r["name"] == "fp-torch-llmc" and "ppl" in r), None)
     ref = fp or torch_fp
     lines = [
         "# Peers: eqjax and other quantization tools on the same token ids",
@@ -348,14 +352,28 @@ def markdown(data: dict, meta: dict) -> str:
         load = "/".join(f"{x[0]:.1f}" for x in la if x) if any(la) else ""
         wall = f"{r.get('process_seconds', 0):.0f}"
         lines.append(
-            f"| {r['tool']} | {version} | {r['name']} | {r.get('what') or _what(r)} | {c.get('bits', '')} | "
+            f"| {r['tool']} | {version} | {r['name']} | {r.get('what') or _what(r) or ('nothing (fp32)' if r['tool'] == 'fp' else '')} | {c.get('bits', '')} | "
             f"{c.get('group', '') or '-'} | {('sym' if c.get('sym') else 'asym') if c.get('group') else '-'} | "
             f"{c.get('calib', '')} | {c.get('iters', '')} | {ppl} | {vs} | {wall} | {r.get('threads', '')} | {load} | {notes} |")
+    ok = [r for r in rows if "ppl" in r and str(r.get("config", {}).get("bits")) == "4"
+          and r.get("config", {}).get("group") == 128]
+    ours = [r for r in ok if r["tool"] == "eqjax"]
+    theirs = [r for r in ok if r["tool"] == "auto-round"]
+    if ours and theirs:
+        best = min(ours, key=lambda r: r["ppl"])
+        worse = [r for r in theirs if best["ppl"] < r["ppl"]]
+        lines += ["", f"Issue 13 target (best eqjax W4 g128 beats every AutoRound W4 g128 run): best eqjax "
+                  f"`{best['name']}` {best['ppl']:.3f} vs AutoRound " + ", ".join(
+                      f"`{r['name']}` {r['ppl']:.3f}" for r in sorted(theirs, key=lambda r: r["ppl"]))
+                  + (" -> **met**" if len(worse) == len(theirs) else
+                     f" -> **NOT met** ({len(theirs) - len(worse)} AutoRound row(s) at or below it)")]
     m = data.get("machine", {})
     lines += ["", f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores shared with other work; peers ran under "
               "`nice -n 19` with the thread count shown; load average (1/5/15 min) at each row's start/end is in peers.json."]
     if torch_fp and fp:
-        lines.append(f"FP check: torch {torch_fp:.4f} vs eqjax {fp:.4f} ({100 * (torch_fp / fp - 1):+.4f} %; must be within 0.1 %).")
+        lines.append(f"FP check: torch {torch_fp:.4f} vs eqjax {fp:.4f} ({100 * (torch_fp / fp - 1):+.4f} %; must be within 0.1 %)"
+                     + (f"; llm-compressor env (transformers {torch_fp2.get('env', {}).get('transformers')}) "
+                        f"{torch_fp2['ppl']:.4f} ({100 * (torch_fp2['ppl'] / fp - 1):+.4f} %)" if torch_fp2 else "") + ".")
     for note in data.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
@@ -405,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(data, indent=1) + "\n")
     names = [] if args.eqjax_only else [
         n for n in (args.only.split(",") if args.only else cfgs) if n and n not in args.skip.split(",")]
-    if "eqjax_fp_ppl" not in data and ("fp-torch" in names or args.eqjax_recipes):
+    if "eqjax_fp_ppl" not in data and (any(n.startswith("fp-torch") for n in names) or args.eqjax_recipes):
         # the FP reference the torch FP row is checked against, and the 'vs FP' base
         print("eqjax fp ...", flush=True)
         r = run_eqjax("fp")
@@ -454,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         row.update(key=key, tool=cfg["peer"] if cfg["peer"] not in ("fp", "rtn-torch") else cfg["peer"],
                    version=version, name=name, ids_sha256=meta["ids_sha256"], env=vers,
                    date=datetime.datetime.now().isoformat(timespec="seconds"))
-        if name == "fp-torch" and "ppl" in row and data.get("eqjax_fp_ppl"):
+        if name.startswith("fp-torch") and "ppl" in row and data.get("eqjax_fp_ppl"):
             d = 100 * (row["ppl"] / data["eqjax_fp_ppl"] - 1)
             row["fp_check"] = {"eqjax_fp_ppl": data["eqjax_fp_ppl"], "rel_percent": d, "ok": abs(d) <= 0.1}
         if args.probe:

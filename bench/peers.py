@@ -18,6 +18,12 @@ virtual env of its own made here (``--venv-root``, default ``~/.cache/eqjax-peer
 packages), as ``bench/peers_worker.py`` in a subprocess with a wall-time limit, under ``nice -n 19``
 with 1 thread, and reads exactly those ids. Peer rows are cached in peers.json by (peer, version,
 config, sha256 of the ids); eqjax rows (``eqjax eval`` of this checkout) are re-run whenever asked.
+
+Envs (see VENVS): ``autoround`` = torch==2.13.0 (CPU wheel) + transformers==4.57.6 + auto-round;
+``llmcompressor`` = torch==2.13.0 + llmcompressor (it brings the transformers it requires: pinning 4.57.6
+resolves to llmcompressor 0.6.0); ``gptqmodel`` = torch==2.13.0 + transformers==4.57.6 + gptqmodel (an
+sdist whose build needs nvidia-smi: fails on CPU-only machines, recorded as a failed row). Logs of pip and
+of every worker go to ``~/.cache/eqjax-peers/`` (``install-*.log``, ``logs/``).
 """
 
 from __future__ import annotations
@@ -201,8 +207,8 @@ def row_key(name: str, cfg: dict, version: str, ids_sha: str) -> str:
 
 @contextlib.contextmanager
 def locked(path: pathlib.Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as lf:
+    CACHE.mkdir(parents=True, exist_ok=True)  # the lock lives outside the repository
+    with open(CACHE / (path.name + ".lock"), "w") as lf:
         fcntl.flock(lf, fcntl.LOCK_EX)
         yield
 

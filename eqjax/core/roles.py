@@ -5,8 +5,9 @@
   without one is laid out as ``[rows, features...]``.
 * :func:`resolve_granularity` turns the role-relative granularities (``per_output_channel``,
   ``per_input_group``) into concrete axes of the param: one scale per output channel (the free axes,
-  plus stacked axes of a scanned param), groups along the last contracted axis (capped at its length:
-  a group never spans two indices of an outer contracted axis).
+  plus stacked axes of a scanned param), groups along the last contracted axis (a group never spans two
+  indices of an outer contracted axis; where the group does not divide the axis, the last group of each
+  row is shorter, and an axis shorter than the group is one group).
 * :func:`check_quantizable` refuses params that are neither matmul weights nor embedding tables,
   naming what reads them.
 """
@@ -69,8 +70,7 @@ def resolve_granularity(gran: Granularity, layout: Layout | None, shape: tuple[i
         return per_channel(layout.free) if layout.free else per_tensor()
     if not layout.contracting:
         raise InputError(f"{path}: no input axis to group along")
-    g = max(layout.contracting)
-    return per_group(g, min(gran.group_size, shape[g]))
+    return per_group(max(layout.contracting), gran.group_size)
 
 
 def check_quantizable(an: Analysis | None, path: str, rule_pattern: str) -> Role | None:

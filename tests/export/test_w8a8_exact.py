@@ -28,7 +28,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from eqjax.export.onnx import W8A8_ZERO_POINT, build_model, linear_graph, make_session, w8a8_weight_codes
 from eqjax.linear import ActQuantKernel, int_matmul, linear
-from eqjax.methods.rtn import quantize_by_rules
 from eqjax.models import LlamaConfig, Model
 from eqjax.numerics import QuantSpec, integer_values, quantize
 from eqjax.qarray import per_channel, per_group
@@ -140,7 +139,12 @@ def test_exported_graphs_use_u8_x_u8_only():
     model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=128, n_layers=1, n_heads=4, n_kv_heads=2))
     import jax
 
-    params = quantize_by_rules(model.init_params(jax.random.key(0), std=0.1), (weight_rule(8, act_bits=8),))
+    from eqjax.methods.rtn import RTN
+    from eqjax.recipe import Recipe
+    from eqjax.recipe import quantize as run_recipe
+
+    params = run_recipe(model.init_params(jax.random.key(0), std=0.1), Recipe("w8a8", (RTN((weight_rule(8, act_bits=8),)),)),
+                        model=model)
     _assert_u8_u8(build_model(model, params, decode=True))
 
 

@@ -199,8 +199,8 @@ def quantize_model(
         pd = nnx.to_pure_dict(pstate)
         q, report = _run_recipe(_nnx_call(graphdef, pstate, rest), pd, recipe, calib, example, blocks, seed, progress)
         return QuantizedNNX(graphdef, pstate, rest, q, report)
-    if hasattr(model, "module") and hasattr(model, "params") and nn is not None and isinstance(model.module, nn.Module):
-        params = model.params if params is None else params
+    if nn is not None and not isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
+        params = model.params if params is None else params  # a Hugging Face Flax model (.module + .params)
         model = model.module
     if nn is not None and isinstance(model, nn.Module):
         if params is None:

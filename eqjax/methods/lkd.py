@@ -32,6 +32,7 @@ import optax
 
 from eqjax.calibrate import block_mse
 from eqjax.core.analysis import WeightUse
+from eqjax.linear import quantize_activations
 from eqjax.methods.rtn import concrete_spec, quantize_by_rules, zeroquant_rule
 from eqjax.numerics import QuantSpec, fake_quantize
 from eqjax.qarray import is_quantized
@@ -51,11 +52,14 @@ def _ste(x: jax.Array, fq: Callable[[jax.Array], jax.Array]) -> jax.Array:
 
 
 def _fake_quant_tokens(x: jax.Array, use: WeightUse, bits: int) -> jax.Array:
-    """Symmetric per-token fake quantization of an activation over its contracted axes."""
-    qmax = 2 ** (bits - 1) - 1
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=use.x_contracting, keepdims=True)
-    s = jnp.where(amax > 0, amax / qmax, 1.0)
-    return (jnp.clip(jnp.round(x.astype(jnp.float32) / s), -qmax, qmax) * s).astype(x.dtype)
+    """Per-token fake quantization of an activation over its contracted axes: exactly the activation
+    quantization of eqjax's W8A8 matmul (:func:`eqjax.linear.quantize_activations` on the rows)."""
+    others = tuple(a for a in range(x.ndim) if a not in use.x_contracting)
+    perm = others + tuple(use.x_contracting)
+    xt = jnp.transpose(x, perm)
+    q, s = quantize_activations(xt.reshape(-1, use.k), bits, "token")
+    back = (q.astype(jnp.float32) * s).reshape(xt.shape)
+    return jnp.transpose(back, np.argsort(perm)).astype(x.dtype)
 
 
 def fake_quant_hook(specs: Mapping[str, QuantSpec], act_bits: int | None) -> Callable:

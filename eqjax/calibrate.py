@@ -4,7 +4,8 @@ A :class:`Calibrator` holds a model's program (:mod:`eqjax.core.program`), its a
 calibration batches (positional-argument tuples of the model's call, all of one shape). It cuts the
 program into **blocks**: the model's repeated submodules, found from the param paths of its weight
 uses (``layers_3/...``, ``model/layers/3/...``, ``blocks/3/...``: the path prefix up to the first
-numbered component of the family with the most members), or named by a regex; without repeated
+numbered component of the family with the most members), the iterations of a scanned stack of
+weights (``nn.scan``: ``layers[0]``, ``layers[1]``, ...), or named by a regex; without repeated
 submodules, each group of weights reading one input is a block. Block ``b``'s *segment* is the run
 of program nodes from the end of block ``b-1`` to its last weight use.
 
@@ -96,6 +97,8 @@ def find_blocks(an: Analysis, pattern: str | None = None, uses: Sequence[WeightU
         for u in uses:
             kp = _numbered_prefix(u.path)
             keys[u.node] = kp[0] if kp and stem is not None and kp[1] == stem else None
+            if keys[u.node] is None and u.index:  # a scanned stack (nn.scan): one block per iteration
+                keys[u.node] = f"{u.path.rsplit('/', 2)[0]}[{u.index[0][1]}]"
     group_of = {u.node: gi for gi, g in enumerate(group_uses_by_input(uses)) for u in g}
     runs: list[tuple[str, list[WeightUse]]] = []
     for u in uses:

@@ -137,3 +137,36 @@ def test_same_recipe_same_weights_as_eqjax_model():
                                 calibration=[(toks,)])
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_linen_nn_scan_blocks_are_iterations():
+    """nn.scan stacks the block params [L, ...]: the scan is unrolled, each iteration is a block, GPTQ
+    quantizes each slice on its own inputs and the stack is one QArray in its own layout."""
+    import flax.linen as nn
+
+    from eqjax.calibrate import Calibrator
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.RMSNorm(name="norm")(x)
+            return x + nn.Dense(32, name="down")(jax.nn.gelu(nn.Dense(64, name="up")(h))), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(64, 32, name="embed")(ids)
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)(name="layers")(x, None)
+            return nn.Dense(64, name="head")(x)
+
+    net = Net()
+    batches = zoo.token_batches()
+    params = net.init(jax.random.key(0), batches[0][0])["params"]
+    fn = lambda p, ids: net.apply({"params": p}, ids)  # noqa: E731
+    assert [b.name for b in Calibrator.from_model(fn, params, batches).blocks] == [
+        "layers[0]", "layers[1]", "layers[2]", "head/kernel"]
+    qmodel, qparams = eqjax.quantize_model(net, "w4g128-gptq", params=params, calibration=batches)
+    q = qparams["layers"]["up"]["kernel"]
+    assert isinstance(q, QArray) and q.shape == (3, 32, 64) and q.scale.shape == (3, 1, 64)
+    np.testing.assert_allclose(np.asarray(qmodel.apply({"params": qparams}, *batches[0])),
+                               np.asarray(fn(_dequantized(qparams), *batches[0])), rtol=1e-4, atol=1e-4)

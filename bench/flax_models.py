@@ -19,6 +19,10 @@ one random initialization (so the perplexity is near the vocabulary size: only t
 something).
 
 Usage: python bench/flax_models.py [--eval-windows 4] [--ctx 1024] [--calib-windows 16] [--only a,b]
+       [--skip-smollm2] [--skip-gpt2] [--merge]
+
+``--merge`` keeps the rows already in ``flax_models.json`` that this run does not measure (rows are
+keyed by model and recipe); every row records when it was measured and the load average at its start.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def nll_ppl(logits_fn, windows: np.ndarray, batch: int = 1) -> float:
 def run_pair(name, model, params, hf_model, hf_params, recipe, windows, calib, *, exclude_pattern=None):
     import eqjax
 
+    when, load = time.strftime("%Y-%m-%dT%H:%M:%S"), os.getloadavg()[0]
     hf_args = lambda w: (w, jnp.ones_like(w), jnp.broadcast_to(jnp.arange(w.shape[1]), w.shape))  # noqa: E731
     t0 = time.perf_counter()
     q = params if not recipe.steps else eqjax.quantize(params, recipe, model=model, calibration=calib)
@@ -93,7 +98,7 @@ def run_pair(name, model, params, hf_model, hf_params, recipe, windows, calib, *
         t_h = 0.0
         run = jax.jit(lambda w: hf_model.module.apply({"params": hf_params}, *hf_args(w)).logits)
     ppl_h = nll_ppl(run, windows)
-    return {"model": name, "recipe": recipe.name, "ppl_eqjax_model": ppl_e, "ppl_hf_flax": ppl_h,
+    return {"when": when, "load_avg": load, "model": name, "recipe": recipe.name, "ppl_eqjax_model": ppl_e, "ppl_hf_flax": ppl_h,
             "rel_diff_pct": 100.0 * (ppl_h - ppl_e) / ppl_e, "quantize_s_eqjax": t_e, "quantize_s_hf": t_h}
 
 
@@ -105,6 +110,8 @@ def main() -> None:
     ap.add_argument("--calib-ctx", type=int, default=512)
     ap.add_argument("--only", default=None)
     ap.add_argument("--skip-gpt2", action="store_true")
+    ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--merge", action="store_true")
     args = ap.parse_args()
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.io import load_model
@@ -121,7 +128,7 @@ def main() -> None:
     calib = calibration_windows(cal_ids, args.calib_windows, args.calib_ctx, 0)
     rows = []
     load0 = os.getloadavg()[0]
-    for r in recipes:
+    for r in ([] if args.skip_smollm2 else recipes):
         row = run_pair("SmolLM2-135M (RoPE base 1e4)", model, params, hf_model, hf_params, get_recipe(r), windows,
                        calib, exclude_pattern="lm_head/kernel")
         rows.append(row)
@@ -143,15 +150,23 @@ def main() -> None:
     out = ROOT / "bench" / "results"
     from eqjax.atomic import write_json, write_text
 
+    if args.merge and (out / "flax_models.json").exists():
+        mine = {(r["model"], r["recipe"]) for r in rows}
+        order = [(m, r) for m in ("SmolLM2", "GPT-2") for r in RECIPES]
+        key = lambda r: next((i for i, (m, n) in enumerate(order) if r["model"].startswith(m) and r["recipe"] == n), 99)  # noqa: E731
+        kept = [r for r in json.loads((out / "flax_models.json").read_text())["rows"] if (r["model"], r["recipe"]) not in mine]
+        rows = sorted(kept + rows, key=key)
+
     write_json(out / "flax_models.json", {"meta": meta, "rows": rows})
-    lines = ["| model | recipe | ppl, eqjax's model | ppl, HF Flax model via quantize_model | diff | quantize s (eqjax / HF) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | recipe | ppl, eqjax's model | ppl, HF Flax model via quantize_model | diff | quantize s (eqjax / HF) "
+             "| measured (load avg) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ppl_eqjax_model']:.3f} | {r['ppl_hf_flax']:.3f} | "
-                     f"{r['rel_diff_pct']:+.3f} % | {r['quantize_s_eqjax']:.0f} / {r['quantize_s_hf']:.0f} |")
+                     f"{r['rel_diff_pct']:+.3f} % | {r['quantize_s_eqjax']:.0f} / {r['quantize_s_hf']:.0f} | "
+                     f"{r.get('when') or '?'} ({'?' if r.get('load_avg') is None else format(r['load_avg'], '.1f')}) |")
     lines.append("")
-    lines.append(f"{meta['when']}, {meta['machine']}, {meta['cpus']} CPUs, load average {load0:.1f} -> "
-                 f"{meta['load_avg_end']:.1f}. Protocol: {meta['protocol']}. See the module docstring for the "
+    lines.append(f"Last run {meta['when']}, {meta['machine']}, {meta['cpus']} CPUs, load average {load0:.1f} -> "
+                 f"{meta['load_avg_end']:.1f}. Timings are comparable only between rows measured at a similar load. Protocol: {meta['protocol']}. See the module docstring for the "
                  "RoPE base and the LM head.")
     write_text(out / "flax_models.md", "\n".join(lines) + "\n")
 

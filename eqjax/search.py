@@ -35,7 +35,6 @@ norms, float32) included.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import re
@@ -47,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.numerics import QuantSpec, fake_quantize, quantize
-from eqjax.pytree import flatten, tree_nbytes
+from eqjax.pytree import flatten
 from eqjax.qarray import per_channel, per_group
 from eqjax.recipe import Recipe
 from eqjax.rules import Rule
-from eqjax.errors import InputError
+from eqjax.knapsack import BudgetError, mck_table, solve_mck
 
 __all__ = [
     "Candidate",
@@ -71,8 +70,6 @@ __all__ = [
 ]
 
 
-class BudgetError(InputError):
-    """The budget is below the smallest model the candidates can make (or is malformed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,76 +229,6 @@ def _natural(s: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-# ------------------------------------------------------------------------------------ knapsack
-@dataclasses.dataclass(frozen=True)
-class MCKTable:
-    """DP table of a multiple-choice knapsack: ``best[c]`` = min error with (rounded) size <= c units."""
-
-    unit: int
-    sizes: np.ndarray  # [items, options] rounded-up units (padded with a huge value)
-    errors: np.ndarray  # [items, options] (padded with inf)
-    best: np.ndarray  # [cap + 1]
-    choice: np.ndarray  # [items, cap + 1] int16: option of item i at capacity c
-
-    def backtrack(self, capacity_bytes: int) -> list[int] | None:
-        c = min(int(capacity_bytes // self.unit), len(self.best) - 1)
-        if c < 0 or not np.isfinite(self.best[c]):
-            return None
-        picks = []
-        for i in range(self.sizes.shape[0] - 1, -1, -1):
-            j = int(self.choice[i, c])
-            picks.append(j)
-            c -= int(self.sizes[i, j])
-        return picks[::-1]
-
-
-def _mck_table(sizes: Sequence[Sequence[int]], errors: Sequence[Sequence[float]], cap_bytes: int, unit: int) -> MCKTable:
-    n = len(sizes)
-    width = max(len(s) for s in sizes)
-    S = np.full((n, width), np.iinfo(np.int64).max // 4, np.int64)
-    E = np.full((n, width), np.inf)
-    for i, (s, e) in enumerate(zip(sizes, errors)):
-        if len(s) != len(e) or not len(s):
-            raise ValueError(f"item {i}: sizes and errors must be non-empty and of equal length")
-        S[i, : len(s)] = -(-np.asarray(s, np.int64) // unit)  # round up
-        E[i, : len(e)] = np.asarray(e, np.float64)
-    cap = int(cap_bytes // unit)
-    dp = np.zeros(cap + 1)  # zero items: error 0 at any capacity
-    choice = np.zeros((n, cap + 1), np.int16)
-    for i in range(n):
-        new = np.full(cap + 1, np.inf)
-        arg = np.zeros(cap + 1, np.int16)
-        for j in range(width):
-            s = S[i, j]
-            if not np.isfinite(E[i, j]) or s > cap:
-                continue
-            cand = np.full(cap + 1, np.inf)
-            cand[s:] = dp[: cap + 1 - s] + E[i, j]
-            better = cand < new
-            new = np.where(better, cand, new)
-            arg = np.where(better, j, arg).astype(np.int16)
-        dp = new
-        choice[i] = arg
-    return MCKTable(unit, S, E, dp, choice)
-
-
-def solve_mck(sizes: Sequence[Sequence[int]], errors: Sequence[Sequence[float]], budget: int, *,
-              unit: int = 1) -> tuple[list[int], float]:
-    """Exact multiple-choice knapsack: pick one option per item minimizing the summed error with summed
-    size <= ``budget``. Sizes are rounded up and the budget down to multiples of ``unit`` (``unit=1``:
-    exact). Returns ``(option index per item, total error)``; raises :class:`BudgetError` when even the
-    smallest options do not fit."""
-    tab = _mck_table(sizes, errors, budget, unit)
-    picks = tab.backtrack(budget)
-    if picks is None:
-        smallest = sum(min(s) for s in sizes)
-        if smallest <= budget:
-            raise BudgetError(f"budget {budget} fits only with exact sizes; it cannot be met at resolution "
-                              f"unit={unit} (use a smaller unit)")
-        raise BudgetError(f"budget {budget} is below the smallest possible total size {smallest}")
-    return picks, float(sum(errors[i][j] for i, j in enumerate(picks)))
-
-
 # ------------------------------------------------------------------------------------ search
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
@@ -425,7 +352,7 @@ def search(
     cap = min(cap, max_searched)
     unit = max(1, -(-cap // cells))
     errs = [L.errors[proxy] for L in layers]
-    tab = _mck_table([L.nbytes for L in layers], errs, max(cap, budget), unit)
+    tab = mck_table([L.nbytes for L in layers], errs, max(cap, budget), unit)
     say(f"knapsack: {len(layers)} layers x {max(len(L.options) for L in layers)} options, unit {unit} B, "
         f"{len(tab.best)} cells")
 
@@ -499,7 +426,6 @@ def validate_proxy(model: Any, params: Any, windows: np.ndarray, layers: Sequenc
     """Measure the real effect of quantizing one layer alone (mean KL(FP || quantized) of the next-token
     distributions on ``windows``, and the NLL change) for a random subset of layers at each of ``bits``
     (their smallest-group option), and the Spearman rank correlation of each proxy with it."""
-    from eqjax.methods.rtn import quantize_by_rules
     from eqjax.pytree import get_path, set_path
 
     rng = np.random.default_rng(seed)
@@ -560,9 +486,11 @@ def search_main(args: Any) -> int:
     ``pareto.json`` and ``pareto.png`` under ``--out``; print progress. Returns the exit code."""
     import sys
 
+    from eqjax.atomic import write_json
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.io.gguf import load_gguf
     from eqjax.models import Model
+    from eqjax.pareto import evaluate_pareto, plot_pareto
 
     def say(s: str) -> None:
         print(f"[search] {s}", flush=True)
@@ -580,20 +508,20 @@ def search_main(args: Any) -> int:
     except BudgetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (out / "rules.json").write_text(json.dumps(res.recipe_dict(), indent=1))
+    write_json(out / "rules.json", res.recipe_dict())
     say(f"wrote {out / 'rules.json'} (load with --recipe {out / 'rules.json'})")
     report: dict[str, Any] = {"budget_bits": args.budget_bits, "budget_bytes": args.budget_bytes,
                               "avg_bits": res.avg_bits, "searched_bytes": res.searched_bytes,
                               "total_bytes": res.total_bytes, "proxy": res.proxy, "method": args.method,
                               "choices": res.choices}
-    (out / "layers.json").write_text(json.dumps([
+    write_json(out / "layers.json", [
         {"path": L.path, "shape": L.shape, "options": [c.label(L.shape[0]) for c in L.options], "nbytes": L.nbytes,
-         "errors": L.errors} for L in res.layers]))
+         "errors": L.errors} for L in res.layers], indent=None)
     if args.validate_proxy:
         report["proxy_check"] = validate_proxy(model, params, cal[:2, :128], res.layers, n_layers=args.validate_proxy,
                                                progress=say)
         say(f"proxy Spearman vs measured KL: {report['proxy_check']['spearman_vs_kl']}")
-        (out / "proxy_check.json").write_text(json.dumps(report["proxy_check"], indent=1))
+        write_json(out / "proxy_check.json", report["proxy_check"])
     if args.eval_windows:
         ev = token_windows(eval_ids, args.eval_len, args.eval_windows)
         report["eval"] = {"windows": args.eval_windows, "ctx": args.eval_len, "split": "wikipedia eval half"}
@@ -602,82 +530,10 @@ def search_main(args: Any) -> int:
         report["pareto"] = evaluate_pareto(model, params, res, ev, method=args.method, baselines=base, progress=say)
     else:
         report["pareto"] = [{k: v for k, v in p.items() if k != "picks"} for p in res.pareto]
-    (out / "pareto.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "pareto.json", report)
     plot_pareto(report, out / "pareto.png")
     say(f"wrote {out / 'pareto.json'} and {out / 'pareto.png'}")
     return 0
 
 
 run_search_cli = search_main
-
-
-def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndarray, *, method: str = "rtn",
-                    baselines: Sequence[tuple[str, Candidate]] = (("uniform w4g128a", Candidate(4, 128)),
-                                                                  ("uniform w3g128a", Candidate(3, 128)),
-                                                                  ("uniform w8pc", Candidate(8, None, True))),
-                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Perplexity (``eqjax.evaluate.perplexity``) of FP, uniform baselines and each Pareto point."""
-    from eqjax.evaluate import perplexity
-    from eqjax.recipe import quantize as run_recipe
-
-    say = progress or (lambda s: None)
-    numel = sum(L.numel for L in res.layers)
-    fixed = res.total_bytes - res.searched_bytes
-    fp = perplexity(model, params, windows)
-    fp_bytes16 = sum(int(np.prod(np.shape(x))) for _, x in flatten(params)) * 2
-    pts: list[dict[str, Any]] = [{"kind": "fp32", "ppl": fp.ppl, "total_bytes": tree_nbytes(params),
-                                  "fp16_total_bytes": fp_bytes16}]
-    say(f"fp32 ppl {fp.ppl:.3f}")
-
-    def run(kind: str, picks: list[int], extra: dict[str, Any]) -> None:
-        rd = rules_for_picks(res.layers, picks)
-        qp = run_recipe(params, _make_recipe(kind, kind, method, rd))
-        sb = sum(L.nbytes[j] for L, j in zip(res.layers, picks))
-        r = perplexity(model, qp, windows)
-        pts.append({"kind": kind, "ppl": r.ppl, "avg_bits": 8 * sb / numel, "searched_bytes": sb,
-                    "total_bytes": tree_nbytes(qp), "ratio_vs_fp16_linears": (numel * 2) / sb, **extra})
-        say(f"{kind}: {8 * sb / numel:.3f} bits/weight, ppl {r.ppl:.3f}")
-
-    for lab, cand in baselines:
-        try:
-            run(lab, uniform_picks(res.layers, cand), {})
-        except ValueError as e:
-            say(f"skip {lab}: {e}")
-    for p in res.pareto:
-        run(f"searched {p['budget_bits']}b", p["picks"], {"budget_bits": p["budget_bits"],
-                                                         "proxy_error": p["proxy_error"],
-                                                         "choice_counts": p["choice_counts"]})
-    del fixed
-    return pts
-
-
-def plot_pareto(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
-    """PNG of ppl (or proxy error when no ppl) vs average bits: searched curve and uniform baselines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pts = report["pareto"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if pts and "ppl" in pts[0]:
-        s = [p for p in pts if p["kind"].startswith("searched")]
-        ax.plot([p["avg_bits"] for p in s], [p["ppl"] for p in s], "o-", label="searched (exact knapsack)")
-        for p in pts:
-            if p["kind"].startswith("uniform"):
-                ax.plot(p["avg_bits"], p["ppl"], "s", label=p["kind"])
-            if p["kind"] == "fp32":
-                ax.axhline(p["ppl"], ls="--", c="k", lw=0.8, label="fp32")
-                ax.axhline(p["ppl"] * 1.05, ls=":", c="gray", lw=0.8, label="fp32 + 5 %")
-        ax.set_ylabel("perplexity")
-        ax.set_yscale("log")
-    else:
-        ax.plot([p["avg_bits"] for p in pts], [p["proxy_error"] for p in pts], "o-")
-        ax.set_ylabel("summed proxy error")
-        ax.set_yscale("log")
-    ax.set_xlabel("average stored bits per linear weight")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -166,7 +166,7 @@ def test_parity_with_transformers(smol: Tokenizer, hf_reference: object) -> None
     for s in EDGE_CASES:
         assert compat.encode(s) == ref(s, add_special_tokens=False)["input_ids"], s
     ours = smol.encode(text)
-    assert smol.decode(ours) == ref.decode(ours) == text
+    assert smol.decode(ours) == ref.decode(ours, clean_up_tokenization_spaces=False) == text
     assert abs(len(ours) - len(want)) <= 0.03 * len(want)  # digit-dense tables differ most (~2 %)
     no_digits = "".join(c for c in text if not c.isdigit())
     assert smol.encode(no_digits) == ref(no_digits, add_special_tokens=False)["input_ids"]

@@ -186,6 +186,7 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     """Real model: onnxruntime perplexity within 0.5 % of eqjax's (1 window of 256 tokens)."""
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity
+    from eqjax.methods.rtn import quantize_by_rules
     from eqjax.io.gguf import load_gguf
     from eqjax.recipe import quantize
     from eqjax.recipes import get_recipe

@@ -1,0 +1,88 @@
+"""The Pareto report of a mixed-precision search: perplexity of each searched point and of uniform
+baselines (:func:`evaluate_pareto`), and its plot (:func:`plot_pareto`)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from eqjax.atomic import atomic_path
+from eqjax.pytree import flatten, tree_nbytes
+from eqjax.search import Candidate, SearchResult, _make_recipe, rules_for_picks, uniform_picks
+
+__all__ = ["evaluate_pareto", "plot_pareto"]
+
+
+def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndarray, *, method: str = "rtn",
+                    baselines: Sequence[tuple[str, Candidate]] = (("uniform w4g128a", Candidate(4, 128)),
+                                                                  ("uniform w3g128a", Candidate(3, 128)),
+                                                                  ("uniform w8pc", Candidate(8, None, True))),
+                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Perplexity (``eqjax.evaluate.perplexity``) of FP, uniform baselines and each Pareto point."""
+    from eqjax.evaluate import perplexity
+    from eqjax.recipe import quantize as run_recipe
+
+    say = progress or (lambda s: None)
+    numel = sum(L.numel for L in res.layers)
+    fixed = res.total_bytes - res.searched_bytes
+    fp = perplexity(model, params, windows)
+    fp_bytes16 = sum(int(np.prod(np.shape(x))) for _, x in flatten(params)) * 2
+    pts: list[dict[str, Any]] = [{"kind": "fp32", "ppl": fp.ppl, "total_bytes": tree_nbytes(params),
+                                  "fp16_total_bytes": fp_bytes16}]
+    say(f"fp32 ppl {fp.ppl:.3f}")
+
+    def run(kind: str, picks: list[int], extra: dict[str, Any]) -> None:
+        rd = rules_for_picks(res.layers, picks)
+        qp = run_recipe(params, _make_recipe(kind, kind, method, rd))
+        sb = sum(L.nbytes[j] for L, j in zip(res.layers, picks))
+        r = perplexity(model, qp, windows)
+        pts.append({"kind": kind, "ppl": r.ppl, "avg_bits": 8 * sb / numel, "searched_bytes": sb,
+                    "total_bytes": tree_nbytes(qp), "ratio_vs_fp16_linears": (numel * 2) / sb, **extra})
+        say(f"{kind}: {8 * sb / numel:.3f} bits/weight, ppl {r.ppl:.3f}")
+
+    for lab, cand in baselines:
+        try:
+            run(lab, uniform_picks(res.layers, cand), {})
+        except ValueError as e:
+            say(f"skip {lab}: {e}")
+    for p in res.pareto:
+        run(f"searched {p['budget_bits']}b", p["picks"], {"budget_bits": p["budget_bits"],
+                                                         "proxy_error": p["proxy_error"],
+                                                         "choice_counts": p["choice_counts"]})
+    del fixed
+    return pts
+
+
+def plot_pareto(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
+    """PNG of ppl (or proxy error when no ppl) vs average bits: searched curve and uniform baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = report["pareto"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if pts and "ppl" in pts[0]:
+        s = [p for p in pts if p["kind"].startswith("searched")]
+        ax.plot([p["avg_bits"] for p in s], [p["ppl"] for p in s], "o-", label="searched (exact knapsack)")
+        for p in pts:
+            if p["kind"].startswith("uniform"):
+                ax.plot(p["avg_bits"], p["ppl"], "s", label=p["kind"])
+            if p["kind"] == "fp32":
+                ax.axhline(p["ppl"], ls="--", c="k", lw=0.8, label="fp32")
+                ax.axhline(p["ppl"] * 1.05, ls=":", c="gray", lw=0.8, label="fp32 + 5 %")
+        ax.set_ylabel("perplexity")
+        ax.set_yscale("log")
+    else:
+        ax.plot([p["avg_bits"] for p in pts], [p["proxy_error"] for p in pts], "o-")
+        ax.set_ylabel("summed proxy error")
+        ax.set_yscale("log")
+    ax.set_xlabel("average stored bits per linear weight")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)

@@ -19,7 +19,11 @@ one random initialization (so the perplexity is near the vocabulary size: only t
 something).
 
 Usage: python bench/flax_models.py [--eval-windows 4] [--ctx 1024] [--calib-windows 16] [--only a,b]
-       [--skip-smollm2] [--skip-gpt2] [--merge]
+       [--skip-smollm2] [--skip-gpt2] [--merge] [--order-check gptq-recipe,...]
+
+``--order-check R`` quantizes eqjax's own model with recipe ``R`` twice, the second time with the same
+calibration windows in reverse order (the same tokens, so the statistics differ only by float summation
+order), and reports both perplexities: the spread a float-level difference alone causes in that method.
 
 ``--merge`` keeps the rows already in ``flax_models.json`` that this run does not measure (rows are
 keyed by model and recipe); every row records when it was measured and the load average at its start.
@@ -112,6 +116,7 @@ def main() -> None:
     ap.add_argument("--skip-gpt2", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--order-check", default=None)
     args = ap.parse_args()
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.io import load_model
@@ -131,6 +136,20 @@ def main() -> None:
     for r in ([] if args.skip_smollm2 else recipes):
         row = run_pair("SmolLM2-135M (RoPE base 1e4)", model, params, hf_model, hf_params, get_recipe(r), windows,
                        calib, exclude_pattern="lm_head/kernel")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for r in (args.order_check.split(",") if args.order_check else []):
+        import eqjax
+
+        when, load = time.strftime("%Y-%m-%dT%H:%M:%S"), os.getloadavg()[0]
+        f_e = jax.jit(lambda p, w: model.apply(p, w)[0])
+        ppl = []
+        for c in (calib, calib[::-1]):
+            q = eqjax.quantize(params, get_recipe(r), model=model, calibration=c)
+            ppl.append(nll_ppl(lambda w: f_e(q, w), windows))  # noqa: B023 - used at once
+        row = {"when": when, "load_avg": load, "model": "SmolLM2-135M (RoPE base 1e4), order check", "recipe": r,
+               "ppl_eqjax_model": ppl[0], "ppl_reversed_calibration": ppl[1],
+               "rel_diff_pct": 100.0 * (ppl[1] - ppl[0]) / ppl[0]}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if not args.skip_gpt2:
@@ -160,10 +179,17 @@ def main() -> None:
     write_json(out / "flax_models.json", {"meta": meta, "rows": rows})
     lines = ["| model | recipe | ppl, eqjax's model | ppl, HF Flax model via quantize_model | diff | quantize s (eqjax / HF) "
              "| measured (load avg) |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in [r for r in rows if "ppl_hf_flax" in r]:
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ppl_eqjax_model']:.3f} | {r['ppl_hf_flax']:.3f} | "
                      f"{r['rel_diff_pct']:+.3f} % | {r['quantize_s_eqjax']:.0f} / {r['quantize_s_hf']:.0f} | "
                      f"{r.get('when') or '?'} ({'?' if r.get('load_avg') is None else format(r['load_avg'], '.1f')}) |")
+    checks = [r for r in rows if "ppl_reversed_calibration" in r]
+    if checks:
+        lines += ["", "Spread from float summation order alone (eqjax's own model, the same calibration windows in "
+                  "reverse order):", "", "| recipe | ppl | ppl, reversed calibration order | diff | measured (load avg) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['recipe']} | {r['ppl_eqjax_model']:.3f} | {r['ppl_reversed_calibration']:.3f} | "
+                  f"{r['rel_diff_pct']:+.3f} % | {r['when']} ({r['load_avg']:.1f}) |" for r in checks]
     lines.append("")
     lines.append(f"Last run {meta['when']}, {meta['machine']}, {meta['cpus']} CPUs, load average {load0:.1f} -> "
                  f"{meta['load_avg_end']:.1f}. Timings are comparable only between rows measured at a similar load. Protocol: {meta['protocol']}. See the module docstring for the "

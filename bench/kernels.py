@@ -19,10 +19,15 @@ Methods:
   pallas_w8a8    eqjax.linear(..., backend="pallas"): the fused W8A8 Triton kernel
   xla_w4a16      eqjax.linear(..., backend="xla") for an int4 asymmetric group-128 QArray
   pallas_w4a16   eqjax.linear(..., backend="pallas"): the W4A16 Triton kernel
+  ref_w8a8       pallas_kernels.w8a8_matmul_xla on the same arrays: the kernel's XLA reference (what
+                 backend="pallas" runs off CUDA; same arithmetic as xla_w8a8)
+  ref_w4a16      pallas_kernels.w4a16_matmul_xla: the W4A16 kernel's XLA reference (group scales on
+                 fp32 partial sums, one scan step per group)
 
 Pallas kernels are timed only on a CUDA GPU. On any other platform their rows are written with
 ``null`` figures and the report says they were not timed -- nothing is estimated.
-On a GPU each kernel's output is also compared with the XLA path (max relative difference).
+On a GPU each kernel's output is also compared with the XLA path (max relative difference); the
+ref_* rows are compared with it everywhere.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import pallas_kernels as pk  # noqa: E402
 from eqjax.linear import ActQuantKernel, linear, quantize_activations  # noqa: E402
 from eqjax.numerics import QuantSpec, quantize  # noqa: E402
 from eqjax.qarray import per_channel, per_group  # noqa: E402
@@ -56,7 +62,7 @@ GPU_KS = (4096, 8192)
 CPU_MS = (1, 16, 128)
 CPU_KS = (256, 512)
 GROUP = 128
-METHODS = ("xla_bf16", "xla_int8_dot", "xla_w8a8", "pallas_w8a8", "xla_w4a16", "pallas_w4a16")
+METHODS = ("xla_bf16", "xla_int8_dot", "xla_w8a8", "pallas_w8a8", "ref_w8a8", "xla_w4a16", "pallas_w4a16", "ref_w4a16")
 
 
 def _nbytes(*arrays) -> int:
@@ -103,6 +109,16 @@ def _ops(case):
         "pallas_w4a16": (
             lambda x, q: linear(x, {"kernel": q}, backend="pallas"),
             (x, case["w4"]),
+            _nbytes(x, case["w4"]) + out_b,
+        ),
+        "ref_w8a8": (
+            lambda x, w, s: pk.w8a8_matmul_xla(x, w, s),
+            (x, case["w8"].values, case["w8"].scale.reshape(-1)),
+            _nbytes(x, ak) + out_b,
+        ),
+        "ref_w4a16": (
+            lambda x, p, s, z: pk.w4a16_matmul_xla(x, p, s, z, group_size=GROUP),
+            (x, case["w4"].values, case["w4"].scale, case["w4"].zero_point),
             _nbytes(x, case["w4"]) + out_b,
         ),
     }
@@ -170,6 +186,7 @@ def main(argv=None) -> int:
     print(f"device: {device}; kernels timed: {on_gpu}", flush=True)
 
     rows = []
+    load_start = os.getloadavg()[0]  # the 1-minute load average: other jobs sharing the CPUs
     t_start = time.perf_counter()
     for k in ks:
         for m in ms:
@@ -180,6 +197,8 @@ def main(argv=None) -> int:
                 fn, fargs, nbytes = ops[name]
                 row = {"method": name, "M": m, "K": k, "N": k, "time_s": None, "tflops": None, "tbps": None,
                        "bytes": nbytes, "max_rel_diff_vs_xla": None, "note": ""}
+                if name.startswith("ref"):
+                    row["note"] = "XLA reference of the kernel"
                 if name.startswith("pallas") and not on_gpu:
                     row["note"] = "not timed: no CUDA GPU (the kernel lowers for CUDA only)"
                     rows.append(row)
@@ -196,8 +215,8 @@ def main(argv=None) -> int:
                 row["tbps"] = nbytes / t / 1e12
                 if name in ("xla_w8a8", "xla_w4a16"):
                     ref[name] = np.asarray(jax.jit(fn)(*fargs).astype(jnp.float32))
-                if name.startswith("pallas"):
-                    want = ref.get(name.replace("pallas", "xla"))
+                if name.startswith(("pallas", "ref")):
+                    want = ref.get("xla" + name[name.index("_"):])
                     if want is not None:
                         got = np.asarray(jax.jit(fn)(*fargs).astype(jnp.float32))
                         row["max_rel_diff_vs_xla"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
@@ -214,6 +233,8 @@ def main(argv=None) -> int:
         "group_size_w4": GROUP,
         "samples": samples,
         "wall_s": round(time.perf_counter() - t_start, 1),
+        "cpus": os.cpu_count(),
+        "load_avg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # at start, at end
         "rows": rows,
     }
     out = Path(args.out)
@@ -234,6 +255,10 @@ def _markdown(r) -> str:
         "",
         f"Device: **{r['device']}**; jax {r['jax']}; {r['date']}; median of {r['samples']} samples after warm-up.",
         "",
+        f"Host: {r['cpus']} CPUs; 1-minute load average {r['load_avg_1min'][0]} at the start, "
+        f"{r['load_avg_1min'][1]} at the end.",
+        "Other jobs share the machine: with a load above the CPU count these timings are noisy and indicative only.",
+        "",
     ]
     if not r["kernels_timed"]:
         lines += [
@@ -245,6 +270,7 @@ def _markdown(r) -> str:
         "TFLOP/s = 2·M·N·K / t. TB/s = (weights + activations + output bytes) / t: the figure that matters at",
         "decode (M ≤ 16). W4A16: int4 asymmetric, group 128, bf16 scales. W8A8: int8 per-channel weights,",
         "dynamic per-token int8 activations. xla_int8_dot is the bare int8 GEMM on pre-quantized operands.",
+        "ref_* are pallas_kernels' XLA references of the kernels (what backend=\"pallas\" runs off CUDA).",
         "",
         "| M | K = N | method | time (µs) | TFLOP/s | TB/s | max rel. diff vs XLA | note |",
         "|---:|---:|---|---:|---:|---:|---:|---|",

@@ -11,8 +11,15 @@ A linear layer's params are a mapping ``{"kernel": K, "bias"?: [N]}`` where ``K`
 
 The backend is chosen per call (``backend=``) or by :func:`use_backend` (a context manager over a
 context variable, so nothing global is mutated by call order). ``"xla"`` is always available;
-``"pallas"`` uses :mod:`pallas_kernels` for the shapes and layouts a kernel covers and falls back to
-XLA otherwise; ``"pallas_interpret"`` runs the same kernels in interpret mode (CPU tests).
+``"pallas"`` uses :mod:`pallas_kernels` for the shapes and layouts a kernel covers
+(:func:`pallas_unsupported` says why not) and falls back to eqjax's XLA path otherwise;
+``"pallas_interpret"`` runs the same kernels in interpret mode (CPU tests). :mod:`pallas_kernels`
+takes plain arrays: the adapter here hands it a QArray's codes / scales / zero points and group
+size, or an ActQuantKernel's int8 codes, per-channel scales and activation-scale settings. Its
+entries lower to the Triton kernel for CUDA only and to their XLA reference elsewhere; the W8A8
+reference is :func:`act_quant_matmul`'s arithmetic (bit-identical), the W4A16 one applies group
+scales to fp32 partial sums (not the dequantize-then-matmul below), so ``"pallas"`` on CPU gives
+the kernel's numbers, not the ``"xla"`` backend's.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Iterator, Literal, Mapping
 
 import jax
@@ -40,6 +48,7 @@ __all__ = [
     "act_quant_matmul",
     "w8a8_k_order",
     "matmul_2d",
+    "pallas_unsupported",
     "kernel_shape",
 ]
 
@@ -167,18 +176,80 @@ def act_quant_matmul(x2: jax.Array, k: ActQuantKernel, contracting: tuple[int, .
     return y * sx
 
 
-def _w8a8_xla(x2: jax.Array, k: ActQuantKernel) -> jax.Array:
-    """``act_quant_matmul`` of a 2-D ``[in, out]`` kernel (the Pallas kernels' XLA fallback)."""
-    return act_quant_matmul(x2, k)
+def _w8a8_operands(x2: jax.Array, k: ActQuantKernel, pk: Any):
+    """The arrays :func:`pallas_kernels.w8a8_matmul` takes for an ActQuantKernel, or why not."""
+    w, gran = k.weight, k.weight.granularity
+    if not jnp.issubdtype(x2.dtype, jnp.floating):
+        return f"activation dtype {jnp.dtype(x2.dtype).name} (eqjax quantizes float activations)"
+    if len(w.shape) != 2:
+        return "weight is not 2-D"
+    if not w.symmetric:
+        return "asymmetric weights"
+    if w.packed:
+        return f"{w.bits}-bit packed weights (the kernel takes unpacked 5..8-bit int8 codes)"
+    if gran.kind == "group" or (gran.kind == "channel" and gran.axes != (1,)):
+        return f"weight scales {gran} (need per-output-channel or per-tensor)"
+    qmax = 2 ** (k.act_bits - 1) - 1
+    ws = w.scale.reshape(-1)  # [N], or [1] per tensor
+    act_scale = None if k.act_scale is None else jnp.asarray(k.act_scale).reshape(-1)[:1]
+    reason = pk.w8a8_supports(
+        x2.shape, x2.dtype, w.values.shape, w.values.dtype, ws.shape,
+        act_scale_shape=None if act_scale is None else act_scale.shape,
+        act_granularity=k.act_granularity, qmax=qmax,
+    )
+    if reason is not None:
+        return reason
+    return functools.partial(
+        pk.w8a8_matmul, x2, w.values, ws, act_scale=act_scale, act_granularity=k.act_granularity, qmax=qmax
+    )
+
+
+def _w4a16_operands(x2: jax.Array, q: QArray, pk: Any):
+    """The arrays :func:`pallas_kernels.w4a16_matmul` takes for a 4-bit group-wise QArray, or why not."""
+    gran = q.granularity
+    if q.bits != 4:
+        return f"{q.bits}-bit weights (the weight-only kernel takes 4-bit)"
+    if len(q.shape) != 2:
+        return "weight is not 2-D"
+    if gran.kind != "group" or gran.axes != (0,):
+        return f"weight scales {gran} (need groups along the input axis)"
+    zp = q.zero_point  # None: symmetric, the implicit zero point 8 of packed 4-bit codes
+    reason = pk.w4a16_supports(
+        x2.shape, x2.dtype, q.values.shape, q.values.dtype, q.scale.shape, None if zp is None else zp.shape,
+        group_size=gran.group_size, zero_point_dtype=jnp.uint8 if zp is None else zp.dtype,
+    )
+    if reason is not None:
+        return reason
+    return functools.partial(pk.w4a16_matmul, x2, q.values, q.scale, zp, group_size=gran.group_size)
+
+
+def _pallas_op(x2: jax.Array, kernel: Any):
+    """A call ``op(bias=, out_dtype=, interpret=)`` of the :mod:`pallas_kernels` entry covering
+    ``x2 [M, K] @ kernel``, or the reason (str) none does."""
+    import pallas_kernels as pk  # deferred: jax.experimental.pallas costs ~0.2 s to import
+
+    if x2.ndim != 2:
+        return "activations are not 2-D"
+    if isinstance(kernel, ActQuantKernel):
+        return _w8a8_operands(x2, kernel, pk)
+    if isinstance(kernel, QArray):
+        return _w4a16_operands(x2, kernel, pk)
+    return f"no kernel for {type(kernel).__name__}"
+
+
+def pallas_unsupported(x2: jax.Array, kernel: Any) -> str | None:
+    """None when a Pallas kernel covers ``x2 [M, K] @ kernel``, else why eqjax's XLA path runs."""
+    op = _pallas_op(x2, kernel)
+    return op if isinstance(op, str) else None
 
 
 def _dispatch_pallas(x2: jax.Array, kernel: Any, bias: jax.Array | None, out_dtype, interpret: bool):
-    """The Pallas kernel for this layer, or None when no kernel covers it (XLA then runs)."""
-    try:
-        import pallas_kernels
-    except ImportError:  # pragma: no cover - the package ships both
+    """``x2 @ kernel (+ bias)`` as ``[M, N]`` ``out_dtype`` by :mod:`pallas_kernels` (the kernel on
+    CUDA or with ``interpret``, its XLA reference elsewhere), or None when no kernel covers it."""
+    op = _pallas_op(x2, kernel)
+    if isinstance(op, str):
         return None
-    return pallas_kernels.dispatch(x2, kernel, bias, out_dtype=out_dtype, interpret=interpret)
+    return op(bias=bias, out_dtype=out_dtype, interpret=interpret)
 
 
 def linear(x: jax.Array, layer: Mapping[str, Any], *, backend: Backend | None = None) -> jax.Array:

@@ -1,64 +1,50 @@
-"""Pallas Triton kernels for eqjax's quantized linear layers, and their one dispatch point.
+"""Pallas Triton kernels for quantized matmuls, on plain arrays (this package imports nothing from eqjax).
 
-``dispatch(x2, kernel, bias, *, out_dtype, interpret)`` is what :func:`eqjax.linear.linear` calls
-for ``backend="pallas"`` / ``"pallas_interpret"``; it returns ``[M, N]`` (bias added, in
-``out_dtype``) or None when no kernel covers the layer, and the caller then runs XLA.
+One file per kernel family, each with the Pallas kernel, a pure-jnp XLA reference of the same
+arithmetic, ``supports(...)`` (None, or why the kernel does not cover the operands) and a
+platform-dispatching entry:
 
-* :class:`eqjax.linear.ActQuantKernel` with symmetric unpacked (5..8-bit, int8 codes) per-channel
-  or per-tensor weights, dynamic per-token / per-tensor or static activation scales:
-  :func:`w8a8_matmul` (int8 x int8 -> int32 MMA, scaled epilogue).
-* 4-bit :class:`eqjax.qarray.QArray` with groups along the input axis (G a multiple of 32),
-  symmetric or asymmetric: :func:`w4a16_matmul` (packed int4 unpacked in registers, bf16 MMA, fp32
-  accumulation).
-* Everything else (other bit widths, per-channel 4-bit, group-wise W8A8, float kernels): None.
+* :mod:`pallas_kernels.w8a8_matmul`: ``x [M, K]`` float, int8 weight codes ``[K, N]``, per-output-
+  channel scales ``[N]``; activations quantized to int8 per token / per tensor (dynamic) or with a
+  given scale; ``int8 x int8 -> int32`` MMA, scaled float epilogue. :func:`w8a8_matmul` (entry),
+  :func:`w8a8_matmul_pallas`, :func:`w8a8_matmul_xla`, :func:`quantize_rows` (+ ``_xla``).
+* :mod:`pallas_kernels.w4a16_matmul`: ``x [M, K]`` float, packed uint8 int4 codes ``[K/2, N]`` (two
+  per byte, even index in the low nibble), group scales ``[K/G, N]``, optional zero points
+  (symmetric: 8); nibbles unpacked in registers, MMA in the activation dtype, fp32 accumulation.
+  :func:`w4a16_matmul` (entry), :func:`w4a16_matmul_pallas`, :func:`w4a16_matmul_xla`.
 
-With ``interpret=False`` the kernels are chosen at lowering time for CUDA only
-(``lax.platform_dependent``); on CPU/TPU/ROCm the same call lowers to the XLA path, so a global
-``use_backend("pallas")`` is safe anywhere. ``interpret=True`` always runs the kernels (interpreted).
+The entries choose at lowering time (``lax.platform_dependent``): the Triton kernel for CUDA, the
+reference on CPU/TPU/ROCm, so they are safe anywhere; ``interpret=True`` always runs the kernel
+(interpreted, any platform). :mod:`pallas_kernels.tuning` holds the block sizes per shape.
+:mod:`eqjax.linear` turns its quantized types into these arrays (``backend="pallas"``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-
 from pallas_kernels import tuning
-from pallas_kernels.w4a16_matmul import supports as _w4a16_supports
-from pallas_kernels.w4a16_matmul import w4a16_dispatch, w4a16_matmul
-from pallas_kernels.w8a8_matmul import supports as _w8a8_supports
-from pallas_kernels.w8a8_matmul import quantize_rows, w8a8_dispatch, w8a8_matmul
+from pallas_kernels.w4a16_matmul import supports as w4a16_supports
+from pallas_kernels.w4a16_matmul import w4a16_matmul, w4a16_matmul_pallas, w4a16_matmul_xla
+from pallas_kernels.w8a8_matmul import supports as w8a8_supports
+from pallas_kernels.w8a8_matmul import (
+    quantize_rows,
+    quantize_rows_xla,
+    tensor_scale,
+    w8a8_matmul,
+    w8a8_matmul_pallas,
+    w8a8_matmul_xla,
+)
 
-__all__ = ["dispatch", "why_not", "w8a8_matmul", "w4a16_matmul", "quantize_rows", "tuning"]
-
-
-def _kind(kernel: Any) -> str | None:
-    from eqjax.linear import ActQuantKernel
-    from eqjax.qarray import QArray
-
-    if isinstance(kernel, ActQuantKernel):
-        return "w8a8"
-    if isinstance(kernel, QArray):
-        return "w4a16"
-    return None
-
-
-def why_not(x2: jax.Array, kernel: Any) -> str | None:
-    """None if :func:`dispatch` has a kernel for this layer, else the reason it falls back to XLA."""
-    kind = _kind(kernel)
-    if x2.ndim != 2:
-        return "activations are not 2-D"
-    if kind == "w8a8":
-        return _w8a8_supports(kernel, x2)
-    if kind == "w4a16":
-        return _w4a16_supports(kernel, x2)
-    return f"no kernel for {type(kernel).__name__}"
-
-
-def dispatch(x2: jax.Array, kernel: Any, bias: jax.Array | None, *, out_dtype: Any, interpret: bool = False):
-    """``x2 [M, K] @ kernel (+ bias)`` by a Pallas kernel as ``[M, N]`` ``out_dtype``, or None."""
-    if why_not(x2, kernel) is not None:
-        return None
-    if _kind(kernel) == "w8a8":
-        return w8a8_dispatch(x2, kernel, bias, out_dtype=out_dtype, interpret=interpret)
-    return w4a16_dispatch(x2, kernel, bias, out_dtype=out_dtype, interpret=interpret)
+__all__ = [
+    "tuning",
+    "w8a8_supports",
+    "w8a8_matmul",
+    "w8a8_matmul_pallas",
+    "w8a8_matmul_xla",
+    "quantize_rows",
+    "quantize_rows_xla",
+    "tensor_scale",
+    "w4a16_supports",
+    "w4a16_matmul",
+    "w4a16_matmul_pallas",
+    "w4a16_matmul_xla",
+]

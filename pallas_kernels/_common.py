@@ -1,5 +1,8 @@
-"""Helpers shared by the Pallas Triton kernels: masked 2-D tile loads/stores, exact division,
-platform selection and the CUDA export used by the tests."""
+"""Helpers shared by the Pallas Triton kernels: masked 2-D tile loads/stores, exact division and
+rounding, platform selection and the CUDA export used by the tests.
+
+Nothing here (or anywhere in :mod:`pallas_kernels`) imports eqjax: the kernels take arrays.
+"""
 
 from __future__ import annotations
 
@@ -84,6 +87,19 @@ def store_vec(ref, c0, nc: int, cols: int, val):
         plgpu.store(view, val)
     else:
         plgpu.store(view, val, mask=c0 + jnp.arange(nc) < cols)
+
+
+def round_half_even(x: jax.Array) -> jax.Array:
+    """Round half to even with floor/compare/select only (Triton has no lowering for ``jnp.round``).
+
+    Equal to ``jnp.round`` (XLA's round-nearest-even) for every finite float32 (``|x| >= 2**23`` is
+    already an integer: ``d == 0``) and for +-inf; tested against it in tests/pallas_kernels.
+    """
+    f = jnp.floor(x)
+    d = x - f
+    odd = (f - 2.0 * jnp.floor(f * 0.5)) != 0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return jnp.where(up, f + 1.0, f)
 
 
 def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:

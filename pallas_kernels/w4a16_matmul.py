@@ -1,22 +1,33 @@
-"""W4A16 matmul (Pallas Triton): packed int4 weights with group scales/zero points, float activations.
+"""W4A16 matmul: packed int4 weights with group scales / zero points, float activations.
 
-Storage (eqjax.qarray): ``values`` uint8 ``[K/2, N]`` with byte ``[i, n] = code[2i, n] | code[2i+1, n] << 4``;
-``scale`` ``[K/G, N]``; ``zero_point`` uint8 ``[K/G, N]`` or None (implicit 8);
-``w_hat = (code - zp) * scale``.
+Array API (nothing here knows eqjax's types; :mod:`eqjax.linear` adapts its ``QArray``):
 
-Kernel: the wrapper de-interleaves the *activations* (``x_even = x[:, 0::2]``, ``x_odd = x[:, 1::2]``,
-a cheap [M, K] copy) so the weight bytes are used exactly as stored. Each K step loads a
-``[BKp, BN]`` byte tile (``2 * BKp`` logical rows), splits it in registers into the low and high
-nibbles, subtracts the zero point and converts to the activation dtype (integers in [-15, 15]: exact
-in bf16/f16), and does two MMAs with fp32 accumulation::
+* :func:`w4a16_matmul` -- the entry: the Pallas Triton kernel when lowered for CUDA, the XLA
+  reference on every other platform (``lax.platform_dependent``, at lowering time);
+  ``interpret=True`` always runs the kernel, interpreted.
+* :func:`w4a16_matmul_pallas` -- the kernel; :func:`w4a16_matmul_xla` -- the pure-jnp reference
+  with the same arithmetic; :func:`supports` -- None when the kernel covers the operands, else why.
 
-    part = dot(x_even[:, blk], lo - zp) + dot(x_odd[:, blk], hi - zp)      # [BM, BN] fp32
-    acc += part * scale[group, :]
+Storage (eqjax's layout): ``packed`` uint8 ``[K/2, N]`` with byte ``[i, n] = code[2i, n] |
+code[2i+1, n] << 4`` (two codes per byte, even index in the low nibble); ``scale`` ``[K/G, N]``;
+``zero_point`` uint8 ``[K/G, N]`` or None (symmetric: implicit 8); ``w_hat = (code - zp) * scale``.
 
-``BKp`` divides ``G / 2``, so a step lies inside one group and the group scale is applied once per
-step to the fp32 partial instead of to every weight element (fewer ALU ops per byte; and more
-accurate than dequantizing to bf16 first, which the XLA path does). Groups need ``G % 32 == 0``
-(``G/2`` a multiple of 16, the smallest Triton MMA K); other layouts go to XLA.
+Arithmetic (kernel and reference): the *activations* are de-interleaved (``x_even = x[:, 0::2]``,
+``x_odd = x[:, 1::2]``, a cheap [M, K] copy) so the weight bytes are used exactly as stored. The
+low and high nibbles minus the zero point are integers in [-15, 15], exact in the activation dtype
+(bf16/f16/f32); per K block inside one group::
+
+    part = dot(x_even[:, blk], lo - zp) + dot(x_odd[:, blk], hi - zp)      # [M, N], fp32 accumulation
+    acc += part * float32(scale[group, :])
+    y    = acc (+ float32(bias)) -> out_dtype
+
+The group scale is applied once per block to the fp32 partial, not to every weight element (fewer
+ALU ops per byte, and more accurate than dequantizing the weight to bf16 first, which eqjax's XLA
+path does). The reference takes one block per group (the kernel ``BKp`` divides ``G/2``) and adds
+the groups in order, so kernel and reference differ only by float32 summation order (inside the
+MMA, across blocks of a group, and across split-K partials): ``|diff| <= K * 2**-24 * (|x| @ |w_hat|)``
+to first order, far below one bf16 output ulp. Groups need ``G % 32 == 0`` (``G/2`` a multiple of
+16, the smallest Triton MMA K).
 
 Decode (M <= 16): BM = 16 (Triton's smallest MMA M; padded rows are masked), split-K over the K
 loop so that ~2 programs per SM stream the weights; partial fp32 sums are added by XLA.
@@ -25,7 +36,7 @@ loop so that ~2 programs per SM stream the weights; partial fp32 sums are added 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +45,125 @@ from jax.experimental import pallas as pl
 from pallas_kernels import tuning
 from pallas_kernels._common import cdiv, compiler_params, load_row, load_tile, load_vec, on_cuda_else, store_tile
 
-__all__ = ["w4a16_matmul", "w4a16_dispatch", "supports"]
+__all__ = ["supports", "w4a16_matmul", "w4a16_matmul_pallas", "w4a16_matmul_xla"]
+
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+IMPLICIT_ZERO_POINT = 8
+
+
+# --------------------------------------------------------------------------------------------------
+# What the kernel covers.
+
+
+def supports(
+    x_shape: Sequence[int],
+    x_dtype: Any,
+    packed_shape: Sequence[int],
+    packed_dtype: Any,
+    scale_shape: Sequence[int],
+    zero_point_shape: Sequence[int] | None,
+    *,
+    group_size: int,
+    zero_point_dtype: Any = jnp.uint8,
+) -> str | None:
+    """None when :func:`w4a16_matmul` covers these operands, else the reason (one line).
+    ``zero_point_shape`` is None for symmetric weights (implicit zero point 8)."""
+    if len(x_shape) != 2:
+        return f"activations are not 2-D (shape {tuple(x_shape)})"
+    if not jnp.issubdtype(x_dtype, jnp.floating):
+        return f"activation dtype {jnp.dtype(x_dtype).name}"
+    M, K = x_shape
+    G = group_size
+    if G < 1 or K % G or G % 32:
+        return f"group size {G} (need a multiple of 32 dividing K={K})"
+    if len(packed_shape) != 2 or packed_shape[0] * 2 != K:
+        return f"packed codes of shape {tuple(packed_shape)} (need [K/2, N] = [{K // 2}, N])"
+    if jnp.dtype(packed_dtype) != jnp.uint8:
+        return f"packed codes are {jnp.dtype(packed_dtype).name} (need uint8)"
+    N = packed_shape[1]
+    if tuple(scale_shape) != (K // G, N):
+        return f"scales of shape {tuple(scale_shape)} (need [K/G, N] = {(K // G, N)})"
+    if zero_point_shape is not None:
+        if tuple(zero_point_shape) != (K // G, N):
+            return f"zero points of shape {tuple(zero_point_shape)} (need {(K // G, N)})"
+        if jnp.dtype(zero_point_dtype) != jnp.uint8:
+            return f"zero points are {jnp.dtype(zero_point_dtype).name} (need uint8)"
+    return None
+
+
+def _check(x, packed, scale, zero_point, group_size, who: str) -> None:
+    reason = supports(
+        x.shape, x.dtype, packed.shape, packed.dtype, scale.shape,
+        None if zero_point is None else zero_point.shape, group_size=group_size,
+        zero_point_dtype=jnp.uint8 if zero_point is None else zero_point.dtype,
+    )
+    if reason is not None:
+        raise ValueError(f"{who}: {reason}")
+
+
+def _compute_dtype(x: jax.Array) -> jnp.dtype:
+    """The MMA operand dtype: the activations' (bf16/f16/f32), float32 for any other float."""
+    return jnp.dtype(x.dtype) if jnp.dtype(x.dtype) in _FLOATS else jnp.dtype(jnp.float32)
+
+
+def _precision_for(dtype):
+    """f32 activations: full-precision dot when jax's default matmul precision asks for it
+    (otherwise Triton uses TF32, as XLA does on GPU by default). bf16/f16: native MMA."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    p = jax.config.jax_default_matmul_precision
+    if p is not None and str(p).lower() in ("highest", "float32", "precision.highest"):
+        return jax.lax.Precision.HIGHEST
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# XLA reference.
+
+
+def w4a16_matmul_xla(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None,
+    *,
+    group_size: int,
+    bias: jax.Array | None = None,
+    out_dtype: Any = None,
+) -> jax.Array:
+    """The pure-jnp reference of :func:`w4a16_matmul_pallas` (arguments as there): one block per
+    group, groups accumulated in order by a ``lax.scan`` (an ``[M, N]`` float32 carry; the weight is
+    unpacked to two ``[K/2, N]`` integer-valued arrays in the activation dtype)."""
+    _check(x, packed, scale, zero_point, group_size, "w4a16_matmul_xla")
+    M, K = x.shape
+    N = packed.shape[1]
+    G = group_size
+    ng, hg = K // G, G // 2
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    cdt = _compute_dtype(x)
+    x = x.astype(cdt)
+    xe = x[:, 0::2].reshape(M, ng, hg).transpose(1, 0, 2)  # [ng, M, G/2]
+    xo = x[:, 1::2].reshape(M, ng, hg).transpose(1, 0, 2)
+    p = packed.astype(jnp.int32).reshape(ng, hg, N)
+    zp = IMPLICIT_ZERO_POINT if zero_point is None else zero_point.astype(jnp.int32)[:, None, :]
+    lo = ((p & 0xF) - zp).astype(cdt)
+    hi = ((p >> 4) - zp).astype(cdt)
+    precision = _precision_for(cdt)
+
+    def group(acc, blk):
+        xe_g, xo_g, lo_g, hi_g, s_g = blk
+        part = jnp.dot(xe_g, lo_g, preferred_element_type=jnp.float32, precision=precision)
+        part = part + jnp.dot(xo_g, hi_g, preferred_element_type=jnp.float32, precision=precision)
+        return acc + part * s_g[None, :], None
+
+    acc, _ = jax.lax.scan(group, jnp.zeros((M, N), jnp.float32), (xe, xo, lo, hi, scale.astype(jnp.float32)))
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32).reshape(N)[None, :]
+    return acc.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas kernel.
 
 
 def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_split, precision):
@@ -63,7 +192,7 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
         if has_zp:
             zp = load_row(z_ref, g, n0, bn, N, other=0).astype(jnp.int32)[None, :]
         else:
-            zp = 8
+            zp = IMPLICIT_ZERO_POINT
         lo = ((p & 0xF) - zp).astype(cdt)
         hi = ((p >> 4) - zp).astype(cdt)
         part = jnp.dot(xe, lo, preferred_element_type=jnp.float32, precision=precision)
@@ -80,18 +209,7 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
     store_tile(o_ref, m0, bm, n0, bn, M, N, acc.astype(o_ref.dtype))
 
 
-def _precision_for(dtype):
-    """f32 activations: full-precision dot when jax's default matmul precision asks for it
-    (otherwise Triton uses TF32, as XLA does on GPU by default). bf16/f16: native MMA."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return None
-    p = jax.config.jax_default_matmul_precision
-    if p is not None and str(p).lower() in ("highest", "float32", "precision.highest"):
-        return jax.lax.Precision.HIGHEST
-    return None
-
-
-def w4a16_matmul(
+def w4a16_matmul_pallas(
     x: jax.Array,
     packed: jax.Array,
     scale: jax.Array,
@@ -103,7 +221,7 @@ def w4a16_matmul(
     blocks: tuning.Blocks | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x [M, K] @ w_hat [K, N]`` with ``w_hat`` packed int4 (see module docs) -> ``[M, N]``.
+    """The Pallas kernel: ``x [M, K] @ w_hat [K, N]`` with ``w_hat`` packed int4 (module docs) -> ``[M, N]``.
 
     Args:
       x: bf16/f16/f32 activations (the MMA runs in this dtype, accumulates in fp32).
@@ -115,20 +233,16 @@ def w4a16_matmul(
       out_dtype: default ``x.dtype``.
       blocks: override the tuning table (``bk`` counts packed rows and must divide G/2).
     """
+    _check(x, packed, scale, zero_point, group_size, "w4a16_matmul_pallas")
     M, K = x.shape
     Kp, N = packed.shape
     G = group_size
-    if K % 2 or Kp * 2 != K or K % G:
-        raise ValueError(f"w4a16_matmul: K={K}, packed rows {Kp}, group {G} do not fit")
-    if tuple(scale.shape) != (K // G, N):
-        raise ValueError(f"w4a16_matmul: scale shape {scale.shape} != {(K // G, N)}")
     blocks = blocks or tuning.w4a16_blocks(M, N, K, G)
     if blocks is None or (G // 2) % blocks.bk:
-        raise ValueError(f"w4a16_matmul: no packed K block dividing G/2 = {G // 2}")
+        raise ValueError(f"w4a16_matmul_pallas: no packed K block dividing G/2 = {G // 2}")
     bm, bn, bkp = blocks.bm, blocks.bn, blocks.bk
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        x = x.astype(jnp.float32)
+    x = x.astype(_compute_dtype(x))
     xe, xo = x[:, 0::2], x[:, 1::2]
 
     nkb = Kp // bkp
@@ -176,45 +290,35 @@ def w4a16_matmul(
     return y.astype(out_dtype)
 
 
-def supports(q: Any, x2: jax.Array) -> str | None:
-    """None when the kernel covers this QArray, else the reason (XLA then runs)."""
-    if q.bits != 4:
-        return f"{q.bits}-bit weights"
-    gran = q.granularity
-    if gran.kind != "group" or gran.axes != (0,):
-        return f"granularity {gran} (need groups along the input axis)"
-    K, N = q.shape
-    G = gran.group_size
-    if K % G or G % 32:
-        return f"group size {G} (need a multiple of 32 dividing K={K})"
-    if tuple(q.values.shape) != (K // 2, N):
-        return f"values shape {q.values.shape}"
-    if not jnp.issubdtype(x2.dtype, jnp.floating):
-        return f"activation dtype {x2.dtype}"
-    return None
+# --------------------------------------------------------------------------------------------------
+# Entry.
 
 
-def w4a16_dispatch(x2, q, bias, *, out_dtype, interpret: bool):
-    """The W4A16 kernel for a 4-bit group-wise :class:`eqjax.qarray.QArray`, or None."""
-    if supports(q, x2) is not None:
-        return None
-    G = q.granularity.group_size
+def w4a16_matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    zero_point: jax.Array | None,
+    *,
+    group_size: int,
+    bias: jax.Array | None = None,
+    out_dtype: Any = None,
+    blocks: tuning.Blocks | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """W4A16 ``x @ w_hat`` (arguments as :func:`w4a16_matmul_pallas`): the kernel when lowered for
+    CUDA, :func:`w4a16_matmul_xla` elsewhere; ``interpret=True`` runs the kernel interpreted anywhere.
+    Raises ValueError with :func:`supports`' reason for operands it does not cover."""
+    _check(x, packed, scale, zero_point, group_size, "w4a16_matmul")
 
-    def run_kernel(x2, values, scale, zp, bias):
-        return w4a16_matmul(
-            x2, values, scale, zp, group_size=G, bias=bias, out_dtype=out_dtype, interpret=interpret
-        )
+    def kernel(x, packed, scale, zero_point, bias):
+        return w4a16_matmul_pallas(x, packed, scale, zero_point, group_size=group_size, bias=bias,
+                                   out_dtype=out_dtype, blocks=blocks, interpret=interpret)
 
-    def run_xla(x2, values, scale, zp, bias):
-        from eqjax.numerics import dequantize
+    def reference(x, packed, scale, zero_point, bias):
+        return w4a16_matmul_xla(x, packed, scale, zero_point, group_size=group_size, bias=bias, out_dtype=out_dtype)
 
-        qq = jax.tree.unflatten(jax.tree.structure(q), [values, scale] + ([] if zp is None else [zp]))
-        y = jnp.matmul(x2, dequantize(qq, x2.dtype))
-        if bias is not None:
-            y = y + bias.astype(y.dtype)
-        return y.astype(out_dtype)
-
-    args = (x2, q.values, q.scale, q.zero_point, bias)
+    args = (x, packed, scale, zero_point, bias)
     if interpret:
-        return run_kernel(*args)
-    return on_cuda_else(run_kernel, run_xla, *args)
+        return kernel(*args)
+    return on_cuda_else(kernel, reference, *args)

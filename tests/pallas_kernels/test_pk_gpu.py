@@ -1,8 +1,11 @@
 """The compiled Triton kernels on a real CUDA GPU (skipped elsewhere; run on a GPU machine).
 
-Same contracts as the interpret tests: W8A8 int32 accumulators bit-exact (this also checks that
-the in-kernel ``div.rn.f32`` quantization gives the XLA codes), float outputs within the stated
-tolerances of the XLA path.
+Same contracts as the interpret tests, now against the XLA reference compiled for the GPU: W8A8
+int32 accumulators and quantize_rows' codes/scales bit-exact (this also checks that the in-kernel
+``div.rn.f32`` reciprocals and floor-based rounding give the reference's codes), float outputs
+within the stated tolerances; W4A16 within the summation-order bound of the float64 product.
+The eqjax adapter (``linear(..., backend="pallas")``) is checked against ``backend="xla"`` loosely:
+on a GPU XLA may or may not rewrite eqjax's ``x / s`` into the reciprocal form the kernel uses.
 """
 
 import jax
@@ -10,10 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.linear import ActQuantKernel, int_matmul, linear, quantize_activations
-from eqjax.numerics import QuantSpec, dequantize, quantize
-from eqjax.qarray import per_channel, per_group
-from pallas_kernels import quantize_rows, w8a8_matmul
+from pallas_kernels import (
+    quantize_rows,
+    quantize_rows_xla,
+    w4a16_matmul,
+    w4a16_matmul_xla,
+    w8a8_matmul,
+    w8a8_matmul_pallas,
+    w8a8_matmul_xla,
+)
 
 
 def _has_cuda() -> bool:
@@ -27,53 +35,83 @@ def _has_cuda() -> bool:
 pytestmark = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
 
 
+def _w8(rng, k, n):
+    w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+    return w, jnp.asarray(rng.uniform(1e-3, 5e-2, (n,)), jnp.float32)
+
+
 @pytest.mark.parametrize("m", [1, 5, 16, 33, 200])
 @pytest.mark.parametrize("k,n", [(160, 96), (4096, 4096)])
 @pytest.mark.parametrize("mode", ["fused", "prepass"])
 def test_w8a8_accumulator_exact_on_gpu(m, k, n, mode):
     rng = np.random.default_rng(m + k)
     x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.1, 5, (m, 1)), jnp.bfloat16)
-    w = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), QuantSpec(bits=8, granularity=per_channel(1)))
-    acc = jax.jit(lambda x: w8a8_matmul(x, w.values, w.scale, out_dtype=jnp.int32, mode=mode))(x)
-    qx, _ = quantize_activations(x)
-    np.testing.assert_array_equal(np.asarray(acc), np.asarray(int_matmul(qx, w.values)))
+    w, ws = _w8(rng, k, n)
+    acc = jax.jit(lambda x: w8a8_matmul_pallas(x, w, ws, out_dtype=jnp.int32, mode=mode))(x)
+    want = jax.jit(lambda x: w8a8_matmul_xla(x, w, ws, out_dtype=jnp.int32))(x)
+    np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
 
 
 def test_quantize_rows_exact_on_gpu():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((300, 4096)) * 3, jnp.float32)
     q, s = jax.jit(quantize_rows)(x)
-    qr, sr = quantize_activations(x)
+    qr, sr = jax.jit(quantize_rows_xla)(x)
     np.testing.assert_array_equal(np.asarray(q), np.asarray(qr))
-    np.testing.assert_array_equal(np.asarray(s), np.asarray(sr[:, 0]))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(sr))
 
 
 @pytest.mark.parametrize("m", [1, 16, 128, 1000])
-@pytest.mark.parametrize("act", ["token", "static"])
-def test_w8a8_linear_on_gpu(m, act):
+@pytest.mark.parametrize("act", ["token", "static", "tensor"])
+def test_w8a8_entry_on_gpu(m, act):
     rng = np.random.default_rng(m)
     k, n = 4096, 2048
-    w = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), QuantSpec(bits=8, granularity=per_channel(1)))
-    ak = ActQuantKernel(w) if act == "token" else ActQuantKernel(w, act_scale=jnp.float32(0.03))
-    layer = {"kernel": ak, "bias": jnp.asarray(rng.standard_normal((n,)), jnp.float32)}
+    w, ws = _w8(rng, k, n)
+    kw = {"act_scale": jnp.float32(0.03)} if act == "static" else {"act_granularity": act}
+    bias = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x: linear(x, layer, backend="pallas"))(x).astype(jnp.float32)
-    want = jax.jit(lambda x: linear(x, layer, backend="xla"))(x).astype(jnp.float32)
-    scale = np.max(np.abs(np.asarray(want))) + 1.0
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2.0**-7 * scale, rtol=2.0**-7)
+    got = jax.jit(lambda x: w8a8_matmul(x, w, ws, bias=bias, out_dtype=jnp.float32, **kw))(x)
+    want = jax.jit(lambda x: w8a8_matmul_xla(x, w, ws, bias=bias, out_dtype=jnp.float32, **kw))(x)
+    bound = np.abs(np.asarray(jax.jit(lambda x: w8a8_matmul_xla(x, w, ws, out_dtype=jnp.float32, **kw))(x)))
+    bound = bound + np.abs(np.asarray(bias))[None, :]
+    diff = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    np.testing.assert_array_less(diff, 2.0**-22 * bound + 1e-30)
 
 
 @pytest.mark.parametrize("m", [1, 16, 128, 1000])
 @pytest.mark.parametrize("g,sym", [(32, False), (128, False), (128, True)])
-def test_w4a16_linear_on_gpu(m, g, sym):
+def test_w4a16_entry_on_gpu(m, g, sym):
     rng = np.random.default_rng(m + g)
     k, n = 4096, 2048
-    q = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
-                 QuantSpec(bits=4, symmetric=sym, granularity=per_group(0, g)))
+    codes = rng.integers(1 if sym else 0, 16, (k, n))
+    packed = jnp.asarray(codes[0::2] | (codes[1::2] << 4), jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.005, 0.05, (k // g, n)), jnp.bfloat16)
+    zp = None if sym else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x: linear(x, {"kernel": q}, backend="pallas"))(x)
-    exact = np.asarray(x, np.float64) @ np.asarray(dequantize(q, jnp.float32), np.float64)
-    mag = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(dequantize(q, jnp.float32), np.float64))
-    err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - exact)
-    np.testing.assert_array_less(err, 2.0**-8 * np.abs(exact) + 1e-4 * mag + 1e-3)
+    got = jax.jit(lambda x: w4a16_matmul(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32))(x)
+    ref = jax.jit(lambda x: w4a16_matmul_xla(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32))(x)
+    zpv = 8 if zp is None else np.repeat(np.asarray(zp, np.int64), g, axis=0)
+    w_hat = (codes - zpv) * np.repeat(np.asarray(scale.astype(jnp.float32), np.float64), g, axis=0)
+    xd = np.asarray(x.astype(jnp.float32), np.float64)
+    exact, mag = xd @ w_hat, np.abs(xd) @ np.abs(w_hat)
+    bound = (k + 4) * 2.0**-24 * mag + 1e-30
+    np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - exact), bound)
+    np.testing.assert_array_less(np.abs(np.asarray(ref, np.float64) - exact), bound)
 
+
+@pytest.mark.parametrize("m", [1, 128])
+def test_eqjax_linear_pallas_on_gpu(m):
+    from eqjax.linear import ActQuantKernel, linear
+    from eqjax.numerics import QuantSpec, quantize
+    from eqjax.qarray import per_channel, per_group
+
+    rng = np.random.default_rng(m)
+    k, n = 4096, 2048
+    wf = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    for kernel in (ActQuantKernel(quantize(wf, QuantSpec(8, True, per_channel(1)))),
+                   quantize(wf, QuantSpec(4, False, per_group(0, 128), scale_dtype="bfloat16"))):
+        got = jax.jit(lambda x: linear(x, {"kernel": kernel}, backend="pallas"))(x).astype(jnp.float32)
+        want = jax.jit(lambda x: linear(x, {"kernel": kernel}, backend="xla"))(x).astype(jnp.float32)
+        scale = np.max(np.abs(np.asarray(want))) + 1.0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2.0**-6 * scale, rtol=2.0**-6)

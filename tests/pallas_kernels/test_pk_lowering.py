@@ -1,4 +1,5 @@
-"""Every kernel lowers for CUDA through Triton on this CPU machine (jax.export, platforms=("cuda",)).
+"""Every kernel entry lowers for CUDA through Triton on this CPU machine (jax.export, platforms=("cuda",)),
+on plain arrays (tests/test_linear.py exports eqjax's linear with backend="pallas" the same way).
 
 A primitive the Pallas Triton lowering lacks (e.g. ``jnp.round``), a non-power-of-two tile or a
 dtype the Triton dot rejects fails here, in CI, instead of on a GPU. Shapes include the tuning
@@ -12,9 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from eqjax.linear import ActQuantKernel, linear
-from eqjax.qarray import QArray, per_channel, per_group, per_tensor
-from pallas_kernels import dispatch, quantize_rows, tuning, w4a16_matmul, w8a8_matmul
+from pallas_kernels import quantize_rows, tuning, w4a16_matmul, w4a16_matmul_pallas, w8a8_matmul, w8a8_matmul_pallas
 from pallas_kernels._common import TRITON_CUSTOM_CALL, compiler_params, export_for_cuda
 
 S = jax.ShapeDtypeStruct
@@ -24,33 +23,19 @@ def _n_triton_calls(exported) -> int:
     return exported.mlir_module().count(TRITON_CUSTOM_CALL)
 
 
-def _int8_qarray(k, n, gran):
-    scale_shape = (1, n) if gran.kind == "channel" else (1, 1)
-    return QArray(
-        jnp.zeros((k, n), jnp.int8), jnp.ones(scale_shape, jnp.float32), None, 8, True, gran, (k, n), jnp.float32
-    )
-
-
-def _int4_qarray(k, n, g, sym):
-    zp = None if sym else jnp.zeros((k // g, n), jnp.uint8)
-    return QArray(
-        jnp.zeros((k // 2, n), jnp.uint8), jnp.ones((k // g, n), jnp.bfloat16), zp, 4, sym,
-        per_group(0, g), (k, n), jnp.bfloat16,
-    )
-
-
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 4096, 11008), (33, 160, 96), (4096, 4096, 4096)])
 @pytest.mark.parametrize("act", ["token", "static", "tensor"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_w8a8_lowers_for_cuda(m, k, n, act, dtype):
-    q = _int8_qarray(k, n, per_channel(1))
-    ak = {
-        "token": ActQuantKernel(q),
-        "static": ActQuantKernel(q, act_scale=jnp.float32(0.05)),
-        "tensor": ActQuantKernel(q, act_granularity="tensor"),
-    }[act]
-    bias = jnp.zeros((n,), dtype)
-    e = export_for_cuda(lambda x: linear(x, {"kernel": ak, "bias": bias}, backend="pallas"), S((m, k), dtype))
+def test_w8a8_entry_lowers_for_cuda(m, k, n, act, dtype):
+    kw = {"act_granularity": "tensor"} if act == "tensor" else {}
+
+    def f(x, w, ws, b, *a):
+        return w8a8_matmul(x, w, ws, bias=b, act_scale=a[0] if a else None, **kw)
+
+    specs = [S((m, k), dtype), S((k, n), jnp.int8), S((n,), jnp.float32), S((n,), dtype)]
+    if act == "static":
+        specs.append(S((), jnp.float32))
+    e = export_for_cuda(f, *specs)
     prepass = m >= tuning.W8A8_FUSED_MAX_M
     assert _n_triton_calls(e) == (2 if prepass else 1)
     assert e.out_avals[0].shape == (m, n) and e.out_avals[0].dtype == dtype
@@ -59,16 +44,20 @@ def test_w8a8_lowers_for_cuda(m, k, n, act, dtype):
 def test_w8a8_per_tensor_weights_and_split_k_lower():
     blocks = tuning.w8a8_blocks(1, 4096, 4096)
     assert blocks.split_k > 1  # decode uses split-K with these shapes
-    q = _int8_qarray(4096, 4096, per_tensor())
-    e = export_for_cuda(
-        lambda x: dispatch(x, ActQuantKernel(q), None, out_dtype=jnp.bfloat16, interpret=False), S((1, 4096), jnp.bfloat16)
-    )
+    e = export_for_cuda(lambda x, w, s: w8a8_matmul(x, w, s), S((1, 4096), jnp.bfloat16),
+                        S((4096, 4096), jnp.int8), S((1,), jnp.float32))
     assert _n_triton_calls(e) == 1
+
+
+def test_w8a8_int8_activations_lower():
+    f = lambda q, w, ws, s: w8a8_matmul(q, w, ws, act_scale=s)
+    e = export_for_cuda(f, S((8, 512), jnp.int8), S((512, 256), jnp.int8), S((256,), jnp.float32), S((8,), jnp.float32))
+    assert _n_triton_calls(e) == 1 and e.out_avals[0].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("mode", ["fused", "prepass"])
 def test_w8a8_int32_output_lowers(mode):
-    f = lambda x, w, s: w8a8_matmul(x, w, s, out_dtype=jnp.int32, mode=mode)
+    f = lambda x, w, s: w8a8_matmul_pallas(x, w, s, out_dtype=jnp.int32, mode=mode)
     e = export_for_cuda(f, S((128, 512), jnp.bfloat16), S((512, 256), jnp.int8), S((256,), jnp.float32))
     assert _n_triton_calls(e) >= 1
 
@@ -80,28 +69,35 @@ def test_quantize_rows_lowers():
     assert _n_triton_calls(e) == 1
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 4096), (16, 4096, 4096), (128, 4096, 11008), (4096, 8192, 8192), (5, 256, 96)])
+@pytest.mark.parametrize(
+    "m,k,n", [(1, 4096, 4096), (16, 4096, 4096), (128, 4096, 11008), (4096, 8192, 8192), (5, 256, 96)]
+)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("g", [32, 128])
-def test_w4a16_lowers_for_cuda(m, k, n, sym, g):
+def test_w4a16_entry_lowers_for_cuda(m, k, n, sym, g):
     if k % g:
         pytest.skip("group does not divide K")
-    q = _int4_qarray(k, n, g, sym)
-    bias = jnp.zeros((n,), jnp.bfloat16)
-    e = export_for_cuda(lambda x: linear(x, {"kernel": q, "bias": bias}, backend="pallas"), S((m, k), jnp.bfloat16))
+    specs = [S((m, k), jnp.bfloat16), S((k // 2, n), jnp.uint8), S((k // g, n), jnp.bfloat16), S((n,), jnp.bfloat16)]
+    if sym:
+        f = lambda x, p, s, b: w4a16_matmul(x, p, s, None, group_size=g, bias=b)
+    else:
+        f = lambda x, p, s, b, z: w4a16_matmul(x, p, s, z, group_size=g, bias=b)
+        specs.append(S((k // g, n), jnp.uint8))
+    e = export_for_cuda(f, *specs)
     assert _n_triton_calls(e) == 1
-    assert e.out_avals[0].shape == (m, n)
+    assert e.out_avals[0].shape == (m, n) and e.out_avals[0].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_w4a16_other_activation_dtypes_lower(dtype):
-    q = _int4_qarray(512, 256, 64, False)
-    e = export_for_cuda(lambda x: dispatch(x, q, None, out_dtype=dtype, interpret=False), S((16, 512), dtype))
-    assert _n_triton_calls(e) == 1
+    f = lambda x, p, s, z: w4a16_matmul(x, p, s, z, group_size=64)
+    e = export_for_cuda(f, S((16, 512), dtype), S((256, 256), jnp.uint8), S((8, 256), jnp.float32),
+                        S((8, 256), jnp.uint8))
+    assert _n_triton_calls(e) == 1 and e.out_avals[0].dtype == dtype
 
 
 def test_w4a16_explicit_blocks_lower():
-    f = lambda x, w, s, z: w4a16_matmul(x, w, s, z, group_size=128, blocks=tuning.Blocks(64, 64, 64, 2, 4, 3))
+    f = lambda x, w, s, z: w4a16_matmul_pallas(x, w, s, z, group_size=128, blocks=tuning.Blocks(64, 64, 64, 2, 4, 3))
     e = export_for_cuda(
         f, S((64, 1024), jnp.bfloat16), S((512, 256), jnp.uint8), S((8, 256), jnp.float32), S((8, 256), jnp.uint8)
     )
@@ -109,7 +105,7 @@ def test_w4a16_explicit_blocks_lower():
 
 
 def test_lowering_check_catches_a_missing_primitive():
-    """The guard works: jnp.round has no Triton lowering (hence eqjax.numerics.round_half_even)."""
+    """The guard works: jnp.round has no Triton lowering (hence _common.round_half_even)."""
 
     def kern(x_ref, o_ref):
         o_ref[...] = jnp.round(x_ref[...])
@@ -120,9 +116,12 @@ def test_lowering_check_catches_a_missing_primitive():
 
 
 def test_cpu_lowering_has_no_kernel():
-    q = _int4_qarray(256, 128, 64, True)
     x = jnp.asarray(np.ones((4, 256)), jnp.bfloat16)
-    text = jax.jit(lambda x: linear(x, {"kernel": q}, backend="pallas")).lower(x).as_text()
+    p, sc = jnp.zeros((128, 128), jnp.uint8), jnp.ones((4, 128), jnp.bfloat16)
+    text = jax.jit(lambda x: w4a16_matmul(x, p, sc, None, group_size=64)).lower(x).as_text()
+    assert TRITON_CUSTOM_CALL not in text
+    w, ws = jnp.zeros((256, 128), jnp.int8), jnp.ones((128,), jnp.float32)
+    text = jax.jit(lambda x: w8a8_matmul(x, w, ws)).lower(x).as_text()
     assert TRITON_CUSTOM_CALL not in text
 
 

@@ -1,9 +1,12 @@
-"""W8A8 Pallas kernel under interpret=True against the XLA reference (eqjax.linear).
+"""W8A8 on arrays: the Pallas kernel (interpret=True) against its XLA reference, and the reference
+against an independent numpy oracle. No eqjax here (tests/test_linear.py checks eqjax's adapter and
+that the reference is bit-identical to ``eqjax.linear.act_quant_matmul``).
 
-Tolerances: the int32 accumulator is compared bit for bit; the float epilogue uses the reference's
-ops in its order, so without bias the outputs are bitwise equal; with a bias the last add may be
-contracted into an FMA by one side and not the other, so float32 outputs agree to 1 ulp of
-``|acc * ws * sx| + |bias|`` and bf16 outputs to 1 bf16 ulp of it.
+Tolerances: int32 accumulators and int8 codes / float32 scales are compared bit for bit; the float
+epilogue runs the reference's ops in its order, so without bias float32 outputs are bitwise equal;
+with a bias the last add may be FMA-contracted by one side and not the other: float32 outputs agree
+to ``2**-22 * (|acc * ws * sx| + |bias|)`` (half an ulp of the product one side skips rounding,
+plus one rounding of each sum), bf16 / f16 outputs to one output ulp (2**-7 / 2**-10) of it.
 """
 
 import jax
@@ -11,16 +14,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.linear import ActQuantKernel, int_matmul, linear, quantize_activations
-from eqjax.numerics import QuantSpec, quantize
-from eqjax.qarray import per_channel, per_group, per_tensor
-from pallas_kernels import dispatch, quantize_rows, tuning, w8a8_matmul, why_not
+from pallas_kernels import (
+    quantize_rows,
+    quantize_rows_xla,
+    tensor_scale,
+    tuning,
+    w8a8_matmul,
+    w8a8_matmul_pallas,
+    w8a8_matmul_xla,
+    w8a8_supports,
+)
+from pallas_kernels._common import round_half_even
 
 
-def _weights(rng, k, n, gran=None, bits=8, scale_dtype="float32"):
-    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-    spec = QuantSpec(bits=bits, symmetric=True, granularity=gran or per_channel(1), scale_dtype=scale_dtype)
-    return quantize(w, spec)
+def _weights(rng, k, n, per_tensor=False):
+    """int8 codes in [-127, 127] and positive float32 scales ``[N]`` (or ``[1]``)."""
+    w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+    s = jnp.asarray(rng.uniform(0.001, 0.05, (1 if per_tensor else n,)), jnp.float32)
+    return w, s
 
 
 def _x(rng, m, k, dtype=jnp.float32, zero_row=True):
@@ -30,6 +41,72 @@ def _x(rng, m, k, dtype=jnp.float32, zero_row=True):
     return jnp.asarray(x, dtype)
 
 
+def _np_quantize(x, qmax=127, scale=None):
+    """Independent oracle of the documented arithmetic, in numpy float32: ``s = absmax * fl(1/qmax)``,
+    ``q = clip(np.round(x * fl(1/s)))`` (np.round rounds half to even)."""
+    xf = np.asarray(jnp.asarray(x, jnp.float32))
+    one = np.float32(1)
+    if scale is None:
+        amax = np.max(np.abs(xf), axis=1)
+        s = np.where(amax > 0, amax * (one / np.float32(qmax)), one).astype(np.float32)
+    else:
+        s = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (xf.shape[0],))
+    q = np.clip(np.round(xf * (one / s)[:, None]), -qmax, qmax).astype(np.int64)
+    return q, s
+
+
+def _assert_within_ulp(got, want, bound, dtype):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    ulp = {jnp.dtype(jnp.float32): 2.0**-22, jnp.dtype(jnp.bfloat16): 2.0**-7, jnp.dtype(jnp.float16): 2.0**-10}
+    ulp = ulp[jnp.dtype(dtype)]
+    np.testing.assert_array_less(np.abs(got - want), ulp * np.asarray(bound) + 1e-30)
+
+
+def test_round_half_even_equals_jnp_round():
+    ties = np.arange(-8, 8) + 0.5
+    big = np.array([2.0**23 + 1, -(2.0**23) - 1, 2.0**30, 1e38, np.inf, -np.inf])
+    near = np.nextafter(np.float32(0.5), np.float32(0)), np.nextafter(np.float32(2.5), np.float32(3))
+    x = jnp.asarray(np.concatenate([ties, big, np.asarray(near, np.float64), np.linspace(-3, 3, 97)]), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(round_half_even(x)), np.asarray(jnp.round(x)))
+    np.testing.assert_array_equal(np.asarray(round_half_even(x)), np.round(np.asarray(x)))
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_quantize_rows_reference_equals_numpy(rng, given):
+    x = _x(rng, 33, 160)
+    x = x.at[3, :4].set(jnp.asarray([0.5, 1.5, -2.5, 127.0]))  # ties once scaled to the row's grid
+    scale = jnp.float32(0.02) if given else None
+    q, s = quantize_rows_xla(x, scale=scale)
+    qn, sn = _np_quantize(x, scale=scale)
+    np.testing.assert_array_equal(np.asarray(q, np.int64), qn)
+    np.testing.assert_array_equal(np.asarray(s), sn)
+    assert q.dtype == jnp.int8 and float(s[1]) == np.float32(0.02 if given else 1.0)
+
+
+@pytest.mark.parametrize("m,k,dtype,given", [(1, 96, jnp.float32, False), (33, 160, jnp.bfloat16, False),
+                                             (5, 300, jnp.float32, True)])
+def test_quantize_rows_kernel_equals_reference(rng, m, k, dtype, given):
+    x = _x(rng, m, k, dtype)
+    scale = jnp.asarray(rng.uniform(0.005, 0.05, (m,)), jnp.float32) if given else None
+    qk, sk = quantize_rows(x, scale=scale, block_m=16, block_k=64, interpret=True)
+    qr, sr = quantize_rows_xla(x, scale=scale)
+    np.testing.assert_array_equal(np.asarray(qk), np.asarray(qr))
+    np.testing.assert_array_equal(np.asarray(sk), np.asarray(sr))
+
+
+def test_reference_equals_numpy_oracle(rng):
+    """int32 sums = int64 numpy products of the oracle's codes; float = the same float32 ops."""
+    w, ws = _weights(rng, 160, 96)
+    x = _x(rng, 7, 160)
+    qn, sn = _np_quantize(x)
+    acc = np.asarray(w8a8_matmul_xla(x, w, ws, out_dtype=jnp.int32))
+    np.testing.assert_array_equal(acc, qn @ np.asarray(w, np.int64))
+    y = np.asarray(w8a8_matmul_xla(x, w, ws, out_dtype=jnp.float32))
+    want = (acc.astype(np.float32) * np.asarray(ws)[None, :]) * sn[:, None]
+    np.testing.assert_array_equal(y, want)
+
+
 @pytest.mark.parametrize(
     "m,k,n,mode,blocks",
     [
@@ -37,136 +114,112 @@ def _x(rng, m, k, dtype=jnp.float32, zero_row=True):
         (5, 96, 160, "fused", tuning.Blocks(16, 32, 32, split_k=2)),  # split-K partials
         (33, 160, 96, "prepass", tuning.Blocks(16, 64, 32)),  # ragged M across 3 row blocks
         (33, 256, 160, "auto", None),  # table blocks
+        (1, 4100, 72, "auto", None),  # decode table blocks with split-K, K not a block multiple
     ],
 )
-def test_int32_accumulator_exact(rng, m, k, n, mode, blocks):
-    q = _weights(rng, k, n)
+@pytest.mark.parametrize("act", ["token", "tensor", "static"])
+def test_kernel_int32_equals_reference(rng, m, k, n, mode, blocks, act):
+    w, ws = _weights(rng, k, n)
     x = _x(rng, m, k)
-    acc = w8a8_matmul(x, q.values, q.scale, out_dtype=jnp.int32, mode=mode, blocks=blocks, interpret=True)
-    qx, _ = quantize_activations(x)
-    np.testing.assert_array_equal(np.asarray(acc), np.asarray(int_matmul(qx, q.values)))
-
-
-def test_int32_accumulator_exact_static_scale_clips(rng):
-    q = _weights(rng, 160, 96)
-    x = _x(rng, 5, 160)
-    s = jnp.float32(0.01)  # small: many values clip at +-127
-    acc = w8a8_matmul(x, q.values, q.scale, act_scale=s, out_dtype=jnp.int32, mode="fused",
-                      blocks=tuning.Blocks(16, 32, 64), interpret=True)
-    qx, _ = quantize_activations(x, static_scale=s)
-    assert int(jnp.sum(jnp.abs(qx) == 127)) > 50
-    np.testing.assert_array_equal(np.asarray(acc), np.asarray(int_matmul(qx, q.values)))
-
-
-def test_quantize_rows_equals_reference(rng):
-    x = _x(rng, 33, 160)
-    x = x.at[3, 7].set(0.5 * 127 / 127)  # a few exact ties
-    qk, sk = quantize_rows(x, block_m=16, block_k=64, interpret=True)
-    qr, sr = quantize_activations(x)
-    np.testing.assert_array_equal(np.asarray(qk), np.asarray(qr))
-    np.testing.assert_array_equal(np.asarray(sk), np.asarray(sr[:, 0]))
-    assert float(sk[1]) == 1.0
-
-
-def _assert_close_epilogue(got, want, bound, dtype):
-    got = np.asarray(got.astype(jnp.float32), np.float64)
-    want = np.asarray(want.astype(jnp.float32), np.float64)
-    ulp = 2.0**-23 if dtype == jnp.float32 else 2.0**-7
-    np.testing.assert_array_less(np.abs(got - want), ulp * np.asarray(bound) + 1e-30)
+    kw = {"act_granularity": "tensor"} if act == "tensor" else {}
+    if act == "static":
+        kw["act_scale"] = jnp.float32(0.002)  # small: many codes clip at +-127
+    acc = w8a8_matmul_pallas(x, w, ws, out_dtype=jnp.int32, mode=mode, blocks=blocks, interpret=True, **kw)
+    want = w8a8_matmul_xla(x, w, ws, out_dtype=jnp.int32, **kw)
+    assert acc.dtype == jnp.int32 and acc.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(acc), np.asarray(want))
+    if act == "static":
+        q, _ = quantize_rows_xla(x, scale=kw["act_scale"])
+        assert int(jnp.sum(jnp.abs(q) == 127)) > 10
 
 
 @pytest.mark.parametrize(
-    "m,dtype,act,wgran,use_bias",
+    "m,dtype,act,per_tensor,use_bias,blocks",
     [
-        (1, jnp.float32, "token", "channel", False),
-        (5, jnp.bfloat16, "token", "channel", True),
-        (33, jnp.float32, "token", "tensor", True),
-        (5, jnp.float32, "static", "channel", True),
-        (33, jnp.bfloat16, "tensor", "channel", False),
+        (1, jnp.float32, "token", False, False, tuning.Blocks(16, 64, 64)),
+        (5, jnp.bfloat16, "token", False, True, None),
+        (33, jnp.float32, "token", True, True, tuning.Blocks(16, 32, 64)),
+        (5, jnp.float32, "static", False, True, None),
+        (33, jnp.bfloat16, "tensor", False, False, None),
+        (5, jnp.float32, "token", False, True, tuning.Blocks(16, 64, 32, split_k=3)),  # XLA epilogue
+        (70, jnp.float16, "token", False, True, None),  # prepass by the table
     ],
 )
-def test_linear_pallas_interpret_matches_xla(rng, m, dtype, act, wgran, use_bias):
+def test_kernel_float_equals_reference(rng, m, dtype, act, per_tensor, use_bias, blocks):
     k, n = 160, 96
-    q = _weights(rng, k, n, per_tensor() if wgran == "tensor" else per_channel(1))
-    ak = {
-        "token": ActQuantKernel(q),
-        "static": ActQuantKernel(q, act_scale=jnp.float32(0.02)),
-        "tensor": ActQuantKernel(q, act_granularity="tensor"),
-    }[act]
+    w, ws = _weights(rng, k, n, per_tensor)
     x = _x(rng, m, k, dtype)
-    layer = {"kernel": ak}
-    if use_bias:
-        layer["bias"] = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
-    got = linear(x, layer, backend="pallas_interpret")
-    want = linear(x, layer, backend="xla")
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    kw = {"act_granularity": "tensor"} if act == "tensor" else {}
+    if act == "static":
+        kw["act_scale"] = jnp.float32(0.02)
+    bias = jnp.asarray(rng.standard_normal((n,)), jnp.float32) if use_bias else None
+    got = w8a8_matmul_pallas(x, w, ws, bias=bias, blocks=blocks, interpret=True, **kw)
+    want = w8a8_matmul_xla(x, w, ws, bias=bias, **kw)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape == (m, n)
     if not use_bias and dtype == jnp.float32:
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         return
-    from eqjax.linear import _w8a8_xla
-
-    bound = np.abs(np.asarray(_w8a8_xla(x, ak)))
+    bound = np.abs(np.asarray(w8a8_matmul_xla(x, w, ws, out_dtype=jnp.float32, **kw)))
     if use_bias:
-        bound = bound + np.abs(np.asarray(layer["bias"]))[None, :]
-    _assert_close_epilogue(got, want, bound, dtype)
+        bound = bound + np.abs(np.asarray(bias))[None, :]
+    _assert_within_ulp(got, want, bound, dtype)
 
 
-def test_3d_input_and_bf16_weight_scale(rng):
-    q = _weights(rng, 96, 160, scale_dtype="bfloat16")
-    x = _x(rng, 6, 96).reshape(2, 3, 96)
-    got = linear(x, {"kernel": ActQuantKernel(q)}, backend="pallas_interpret")
-    want = linear(x, {"kernel": ActQuantKernel(q)}, backend="xla")
+def test_int8_activations_with_given_scales(rng):
+    w, ws = _weights(rng, 96, 64)
+    x = _x(rng, 5, 96)
+    q, s = quantize_rows_xla(x)
+    got = w8a8_matmul_pallas(q, w, ws, act_scale=s, blocks=tuning.Blocks(16, 32, 32), interpret=True)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(w8a8_matmul_xla(q, w, ws, act_scale=s)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(w8a8_matmul_xla(x, w, ws)))
+
+
+def test_entry_interpret_runs_the_kernel_and_plain_runs_the_reference_on_cpu(rng):
+    w, ws = _weights(rng, 160, 96)
+    x = _x(rng, 5, 160)
+    bias = jnp.asarray(rng.standard_normal((96,)), jnp.float32)
+    f = jax.jit(lambda x: w8a8_matmul(x, w, ws, bias=bias))
+    assert "pallas" not in f.lower(x).as_text()
+    want = jax.jit(lambda x: w8a8_matmul_xla(x, w, ws, bias=bias))(x)
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(want))
+    got = w8a8_matmul(x, w, ws, bias=bias, interpret=True)
+    want = w8a8_matmul_pallas(x, w, ws, bias=bias, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_backend_pallas_on_cpu_is_the_xla_path(rng):
-    """Without interpret the kernel is chosen at lowering time for CUDA only; on CPU the dispatch
-    lowers to the XLA path (same ops; the bias add may or may not be FMA-contracted: 1 ulp)."""
-    q = _weights(rng, 160, 96)
-    layer = {"kernel": ActQuantKernel(q), "bias": jnp.asarray(rng.standard_normal((96,)), jnp.float32)}
-    x = _x(rng, 5, 160)
-    got = jax.jit(lambda x: linear(x, layer, backend="pallas"))(x)
-    want = jax.jit(lambda x: linear(x, layer, backend="xla"))(x)
-    bound = np.abs(np.asarray(want)) + np.abs(np.asarray(layer["bias"]))[None, :]
-    _assert_close_epilogue(got, want, bound, jnp.float32)
-    assert "pallas" not in jax.jit(lambda x: linear(x, layer, backend="pallas")).lower(x).as_text()
+def test_tensor_scale_is_one_for_zeros():
+    assert float(tensor_scale(jnp.zeros((3, 4)), 127)[0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(tensor_scale(jnp.asarray([[0.0, -254.0]]), 127)), [2.0])
 
 
-def test_uncovered_layouts_fall_back(rng):
-    x = _x(rng, 3, 128)
-    w = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
-    grouped = ActQuantKernel(quantize(w, QuantSpec(bits=8, granularity=per_group(0, 32))))
-    asym = ActQuantKernel(quantize(w, QuantSpec(bits=8, symmetric=False, granularity=per_channel(1))))
-    packed = ActQuantKernel(quantize(w, QuantSpec(bits=4, granularity=per_channel(1))))
-    for k in (grouped, asym, packed):
-        assert why_not(x, k) is not None
-        assert dispatch(x, k, None, out_dtype=jnp.float32, interpret=True) is None
-        np.testing.assert_array_equal(
-            np.asarray(linear(x, {"kernel": k}, backend="pallas_interpret")),
-            np.asarray(linear(x, {"kernel": k}, backend="xla")),
-        )
-    # float kernels never reach dispatch; other objects are declined
-    assert dispatch(x, w, None, out_dtype=jnp.float32, interpret=True) is None
+@pytest.mark.parametrize(
+    "args,kw,match",
+    [
+        (((4, 8), jnp.float32, (8, 3), jnp.int8, (3,)), {}, None),
+        (((4, 8), jnp.bfloat16, (8, 3), jnp.int8, (1,)), {"act_scale_shape": ()}, None),
+        (((2, 4, 8), jnp.float32, (8, 3), jnp.int8, (3,)), {}, "not 2-D"),
+        (((4, 8), jnp.float32, (9, 3), jnp.int8, (3,)), {}, "K=8"),
+        (((4, 8), jnp.float32, (8, 3), jnp.uint8, (3,)), {}, "uint8"),
+        (((4, 8), jnp.int32, (8, 3), jnp.int8, (3,)), {}, "int32"),
+        (((4, 8), jnp.int8, (8, 3), jnp.int8, (3,)), {}, "need their scales"),
+        (((4, 8), jnp.float32, (8, 3), jnp.int8, (2,)), {}, "weight scales"),
+        (((4, 8), jnp.float32, (8, 3), jnp.int8, (3,)), {"act_scale_shape": (3,)}, "activation scales"),
+        (((4, 8), jnp.float32, (8, 3), jnp.int8, (3,)), {"qmax": 32767}, "qmax"),
+        (((4, 8), jnp.float32, (8, 3), jnp.int8, (3,)), {"act_granularity": "channel"}, "granularity"),
+    ],
+)
+def test_supports(args, kw, match):
+    reason = w8a8_supports(*args, **kw)
+    if match is None:
+        assert reason is None
+    else:
+        assert reason is not None and match in reason
 
 
-def test_7bit_weights_are_covered(rng):
-    q = _weights(rng, 96, 64, bits=7)
-    x = _x(rng, 5, 96)
-    assert why_not(x, ActQuantKernel(q)) is None
-    got = linear(x, {"kernel": ActQuantKernel(q)}, backend="pallas_interpret")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(linear(x, {"kernel": ActQuantKernel(q)}, backend="xla")))
-
-
-def test_split_k_float_epilogue_with_bias(rng):
-    """Split-K partials are summed and scaled by XLA with the kernel's epilogue ops (dynamic scales
-    written by the kernel's first column program)."""
-    from eqjax.linear import _w8a8_xla
-
-    q = _weights(rng, 256, 96)
-    x = _x(rng, 5, 256)
-    bias = jnp.asarray(rng.standard_normal((96,)), jnp.float32)
-    got = w8a8_matmul(x, q.values, q.scale, bias=bias, out_dtype=jnp.float32, mode="fused",
-                      blocks=tuning.Blocks(16, 64, 32, split_k=3), interpret=True)
-    ref = _w8a8_xla(x, ActQuantKernel(q))
-    want = ref + bias[None, :]
-    _assert_close_epilogue(got, want, np.abs(np.asarray(ref)) + np.abs(np.asarray(bias))[None, :], jnp.float32)
+def test_unsupported_operands_raise(rng):
+    w, ws = _weights(rng, 32, 16)
+    x = _x(rng, 3, 32)
+    for fn in (w8a8_matmul, w8a8_matmul_xla, w8a8_matmul_pallas):
+        with pytest.raises(ValueError, match="uint8"):
+            fn(x, w.astype(jnp.uint8), ws)

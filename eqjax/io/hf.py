@@ -23,8 +23,10 @@ Architectures whose HF tensors are not one-to-one with eqjax's params (loading m
 * Gemma: RMSNorm weights ``w`` are stored as ``scale - 1`` (``GemmaRMSNorm`` computes ``x_hat * (1 + w)``).
   eqjax's tree holds the effective ``scale = 1 + w`` (float32 arithmetic, as transformers), so its norm
   is ``x_hat * scale`` like every other norm and SmoothQuant/AWQ folds divide it directly; saving
-  writes ``scale - 1`` (exact in float32 whenever the scale is >= 0.5; otherwise off by at most one
-  float32 ulp of 1). With ``dtype=None`` these scales stay float32 (``1 + w`` is not exact in bfloat16).
+  writes ``w' = scale - 1``, and transformers' ``1 + w'`` is then exactly eqjax's scale in float32
+  whenever the scale is >= 0.5 (else within 1.2e-7). ``w'`` itself may differ from the original ``w``
+  in bits below float32's ulp of 1, which ``1 + w`` never saw. With ``dtype=None`` these scales stay
+  float32 (``1 + w`` is not exact in bfloat16).
 
 Every problem raises :class:`CheckpointError` naming the file (and tensor) at fault.
 """

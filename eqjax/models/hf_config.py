@@ -123,17 +123,18 @@ def _rope(d: Mapping[str, Any], mt: str, source: str) -> tuple[float, RopeScalin
 
 
 def _activation(d: Mapping[str, Any], mt: str, source: str) -> str:
-    field, act = "hidden_act", d.get("hidden_act", "gelu_pytorch_tanh" if mt == "gemma" else "silu")
+    legacy = d.get("hidden_act", "gelu_pytorch_tanh" if mt == "gemma" else "silu")
+    field, act = "hidden_act", legacy
     if mt == "gemma" and d.get("hidden_activation") is not None:
-        if d["hidden_activation"] != act:
-            warnings.warn(
-                f"{source}: gemma hidden_activation {d['hidden_activation']!r} differs from hidden_act {act!r}; "
-                "eqjax uses hidden_activation (transformers' torch GemmaMLP 4.57 uses hidden_act)",
-                stacklevel=3,
-            )
         field, act = "hidden_activation", d["hidden_activation"]
     if act not in GATED_ACTIVATIONS:
         raise ConfigError(f"{source}: {mt} {field} {act!r} is not supported (eqjax: {', '.join(GATED_ACTIVATIONS)})")
+    if act != legacy:
+        warnings.warn(
+            f"{source}: gemma hidden_activation {act!r} differs from hidden_act {legacy!r}; eqjax uses "
+            "hidden_activation (transformers' torch GemmaMLP 4.57 uses hidden_act)",
+            stacklevel=4,
+        )
     return act
 
 
@@ -162,7 +163,10 @@ def _llama_from_hf(d: Mapping[str, Any], mt: str, source: str) -> LlamaConfig:
     hd = int(head_dim) if head_dim is not None else hidden // n_heads
     rotary = int(hd * partial)  # transformers: int(head_dim * partial_rotary_factor)
     if rotary % 2 or rotary < 2:
-        raise ConfigError(f"{source}: partial_rotary_factor={partial} gives {rotary} rotary channels (need even >= 2)")
+        raise ConfigError(
+            f"{source}: {mt} partial_rotary_factor={partial} gives {rotary} rotary channels of head_dim {hd} "
+            "(need an even number >= 2)"
+        )
     gemma = mt == "gemma"
     return LlamaConfig(
         vocab=int(_require(d, "vocab_size", source)),

@@ -116,6 +116,28 @@ def test_config_field_validation():
         LlamaConfig(vocab=8, hidden=8, intermediate=8, n_layers=1, n_heads=2, norm_style="t5")
 
 
+@pytest.mark.parametrize(
+    "fields, pattern",
+    [
+        (dict(model_type="gemma", embed_scale=True, norm_style="gemma", hidden_act="gelu_pytorch_tanh"),
+         r"gemma model .*hidden_act 'gelu_pytorch_tanh' \(only silu\), Gemma's embedding scale"),
+        (dict(model_type="phi3", rotary_dim=4), r"phi3 model .*partial RoPE"),
+        (dict(hidden_act="gelu"), r"llama model .*hidden_act 'gelu'"),
+    ],
+)
+def test_onnx_export_refuses_what_its_graph_lacks(fields, pattern):
+    """The ONNX graph has eqjax's silu / full-RoPE / unscaled-embedding Llama only: no silent wrong export."""
+    from eqjax.export.onnx import ExportError, build_model
+    from eqjax.models import Model
+
+    model = Model(LlamaConfig(vocab=32, hidden=16, intermediate=24, n_layers=1, n_heads=2, **fields))
+    params = model.init_params(jax.random.key(0), std=0.1)
+    with pytest.raises(ExportError, match="ONNX export of a " + pattern):
+        build_model(model, params)
+    plain = Model(LlamaConfig(vocab=32, hidden=16, intermediate=24, n_layers=1, n_heads=2))
+    build_model(plain, plain.init_params(jax.random.key(0), std=0.1))  # the silu Llama still exports
+
+
 # ---------------------------------------------------------------------------------------------- torch
 
 torch = pytest.importorskip("torch")

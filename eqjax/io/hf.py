@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp

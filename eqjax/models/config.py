@@ -2,7 +2,7 @@
 
 :class:`LlamaConfig` covers the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3) by its
 fields; :class:`GPT2Config` covers GPT-2. Hugging Face ``config.json`` dicts are read and written by
-:mod:`eqjax.models.hf_config` (``from_hf_config`` / ``to_hf_config``, also importable from here).
+:mod:`eqjax.models.hf_config` (``from_hf_config`` / ``to_hf_config``; also exported by :mod:`eqjax.models`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ __all__ = [
     "GPT2Config",
     "ModelConfig",
     "LLAMA_FAMILY",
-    "from_hf_config",
-    "to_hf_config",
 ]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
@@ -238,11 +236,3 @@ class GPT2Config:
 
 ModelConfig = LlamaConfig | GPT2Config
 
-
-def __getattr__(name: str) -> object:
-    """``from_hf_config`` / ``to_hf_config`` live in :mod:`eqjax.models.hf_config`; importable here too."""
-    if name in ("from_hf_config", "to_hf_config"):
-        from eqjax.models import hf_config  # noqa: PLC0415 - hf_config imports this module
-
-        return getattr(hf_config, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

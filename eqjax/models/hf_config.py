@@ -196,6 +196,11 @@ def _llama_from_hf(d: Mapping[str, Any], mt: str, source: str) -> LlamaConfig:
 def _gpt2_from_hf(d: Mapping[str, Any], source: str) -> GPT2Config:
     if d.get("tie_word_embeddings", True) is False:
         raise ConfigError(f"{source}: GPT-2 with untied embeddings is not supported")
+    if d.get("scale_attn_weights", True) is False:
+        raise ConfigError(f"{source}: gpt2 with scale_attn_weights=False is not supported (eqjax always scales "
+                          "attention scores by 1/sqrt(head_dim))")
+    if d.get("add_cross_attention"):
+        raise ConfigError(f"{source}: gpt2 with add_cross_attention=True is not supported (decoder-only models)")
     return GPT2Config(
         vocab=int(_require(d, "vocab_size", source)),
         hidden=int(d.get("n_embd", d.get("hidden_size", 768))),

@@ -61,6 +61,9 @@ REFUSED = {
     "gemma_window": (dict(_BASE, model_type="gemma", sliding_window=64), r"gemma with sliding_window=64"),
     "llama_moe": (dict(_BASE, model_type="llama", num_local_experts=4), r"llama with num_local_experts=4"),
     "qwen2_mlp_bias": (dict(_BASE, model_type="qwen2", mlp_bias=True), r"qwen2 with mlp_bias=True"),
+    "gpt2_unscaled": (dict(vocab_size=64, model_type="gpt2", scale_attn_weights=False),
+                      r"gpt2 with scale_attn_weights=False"),
+    "gpt2_cross": (dict(vocab_size=64, model_type="gpt2", add_cross_attention=True), r"gpt2 with add_cross_attention"),
 }
 
 

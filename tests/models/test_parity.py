@@ -1,5 +1,5 @@
 """Logit parity with transformers (eager attention, float32) for every supported architecture
-(Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2; silu and gelu MLPs).
+(Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2; silu, gelu and relu MLPs).
 
 Each case builds a tiny random model with transformers, saves it as safetensors, loads it with
 :func:`eqjax.io.hf.load_hf_checkpoint` and compares logits (max abs <= 1e-4) for a batched prefill
@@ -68,6 +68,14 @@ CASES = {
     ),
     "qwen3_qknorm": ("Qwen3Config", dict(_COMMON, tie_word_embeddings=False)),
     "gpt2": ("GPT2Config", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    # GPT-2-style variants: exact gelu, a non-default MLP width, the per-layer attention scale; relu
+    "gpt2_gelu_inner_layer_scale": (
+        "GPT2Config",
+        dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, activation_function="gelu", n_inner=80,
+             scale_attn_by_inverse_layer_idx=True),
+    ),
+    "gpt2_relu": ("GPT2Config", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     activation_function="relu")),
     # Gemma: GeGLU, sqrt(D) embedding scale, (1 + w) norms, head_dim 24 != hidden / heads, tied.
     "gemma_tied": (
         "GemmaConfig",
@@ -93,7 +101,7 @@ CASES = {
 # Decoding is checked on every architecture; these variants differ from a decoded case only in
 # ways the prefill already covers (saves compile time).
 PREFILL_ONLY = ("llama_linear_rope", "qwen2_bias_tied", "gemma_untied_bias_linear_rope", "qwen2_gelu_new",
-                "mistral_gelu_tanh")
+                "mistral_gelu_tanh", "gpt2_relu")
 
 
 def _randomize(model) -> None:
@@ -187,6 +195,7 @@ def test_sharded_checkpoint(tmp_path):
         ("phi3_partial_rotary_tied", {"rotary_dim": 16}),
         ("phi3_window", {"sliding_window": None}),
         ("llama_gelu", {"hidden_act": "gelu_pytorch_tanh"}),
+        ("gpt2_gelu_inner_layer_scale", {"scale_attn_by_inverse_layer_idx": False}),
     ],
 )
 def test_features_matter(tmp_path, case, changed):

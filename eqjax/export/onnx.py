@@ -528,6 +528,18 @@ def _check_all(params: Mapping[str, Any]) -> None:
             check_exportable(path.rsplit("/", 1)[0], leaf)
 
 
+def _check_architecture(c: Any) -> None:
+    """Raise :class:`ExportError` for Llama-family features the graph does not emit (Gemma, Phi-3, gelu)."""
+    missing = [what for cond, what in (
+        (getattr(c, "hidden_act", "silu") != "silu", f"hidden_act {getattr(c, 'hidden_act', '')!r} (only silu)"),
+        (getattr(c, "embed_scale", False), "Gemma's embedding scale"),
+        (getattr(c, "rotary_dim", None) not in (None, getattr(c, "head_dim", None)), "partial RoPE (rotary_dim)"),
+    ) if cond]
+    if missing:
+        raise ExportError(f"ONNX export of a {getattr(c, 'model_type', '?')} model is not supported: "
+                          f"the graph has no {', '.join(missing)}")
+
+
 def build_model(model: Any, params: Mapping[str, Any], *, seq_len: int | None = None, decode: bool = False,
                 accuracy_level: int | None = None, batch: int | None = None) -> onnx.ModelProto:
     """The ONNX ``ModelProto`` of ``model`` (an :class:`eqjax.models.Model`) with ``params``.
@@ -540,6 +552,7 @@ def build_model(model: Any, params: Mapping[str, Any], *, seq_len: int | None = 
 
     _check_all(params)
     c = model.config
+    _check_architecture(c)
     G = _Graph()
     ids = "input_ids"
     b = batch if batch is not None else "batch"

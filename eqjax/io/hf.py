@@ -15,15 +15,29 @@ pickle); :func:`save_hf_checkpoint` writes float weights (QArrays dequantized) t
     lm_head.weight                                -> lm_head/kernel                  (transposed)
     transformer.h.{i}.attn.c_attn.weight          -> layers_{i}/attn/c_attn/kernel   (GPT-2 Conv1D: as is)
 
+Architectures whose HF tensors are not one-to-one with eqjax's params (loading maps, saving maps back):
+
+* Phi-3: ``self_attn.qkv_proj.weight`` ``[(Hq + 2 Hkv) hd, D]`` is split into q/k/v_proj (rows in
+  that order) and ``mlp.gate_up_proj.weight`` ``[2F, D]`` into gate_proj (first F rows) and up_proj,
+  so every method sees ordinary projections; saving concatenates them again.
+* Gemma: RMSNorm weights ``w`` are stored as ``scale - 1`` (``GemmaRMSNorm`` computes ``x_hat * (1 + w)``).
+  eqjax's tree holds the effective ``scale = 1 + w`` (float32 arithmetic, as transformers), so its norm
+  is ``x_hat * scale`` like every other norm and SmoothQuant/AWQ folds divide it directly; saving
+  writes ``w' = scale - 1``, and transformers' ``1 + w'`` is then exactly eqjax's scale in float32
+  whenever the scale is >= 0.5 (else within 1.2e-7). ``w'`` itself may differ from the original ``w``
+  in bits below float32's ulp of 1, which ``1 + w`` never saw. With ``dtype=None`` these scales stay
+  float32 (``1 + w`` is not exact in bfloat16).
+
 Every problem raises :class:`CheckpointError` naming the file (and tensor) at fault.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +46,15 @@ import numpy as np
 from eqjax.errors import InputError
 from eqjax.linear import ActQuantKernel
 from eqjax.models import Model
-from eqjax.models.config import ConfigError, GPT2Config, ModelConfig, from_hf_config, to_hf_config
+from eqjax.models.config import ConfigError, GPT2Config, ModelConfig
+from eqjax.models.hf_config import from_hf_config, to_hf_config
 from eqjax.numerics import dequantize
 from eqjax.qarray import QArray
 
 __all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "hf_name"]
 
 INDEX_FILE = "model.safetensors.index.json"
+_PHI3_PAD = 32000  # transformers' Phi3Config default pad_token_id
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Non-parameter buffers some exporters write; they carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -52,8 +68,17 @@ class CheckpointError(InputError):
 Path_ = tuple[str, ...]
 
 
+# Phi-3's fused tensors; their parts in this order (rows of the HF weight)
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+_PART_ORDER = {name: i for i, name in enumerate(_FUSED)}
+
+
 def hf_name(config: ModelConfig, path: Path_) -> str:
-    """The Hugging Face tensor name of the param at ``path``, e.g. ``("layers_0", "attn", "q_proj", "kernel")``."""
+    """The Hugging Face tensor name holding the param at ``path``, e.g. ``("layers_0", "attn", "q_proj", "kernel")``.
+
+    For Phi-3's fused projections it is the fused tensor (``...self_attn.qkv_proj.weight``).
+    """
     leaf = "weight" if path[-1] in ("kernel", "scale", "embedding") else path[-1]
     if isinstance(config, GPT2Config):
         if path[0].startswith("layers_"):
@@ -64,22 +89,48 @@ def hf_name(config: ModelConfig, path: Path_) -> str:
         return f"{top[path[0]]}.{leaf}"
     i = path[0][len("layers_") :]
     part = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn": "self_attn", "mlp": "mlp"}
-    return ".".join(("model", "layers", i, part[path[1]], *path[2:-1], leaf))
+    mid = path[2:-1]
+    if config.model_type == "phi3" and len(mid) == 1 and mid[0] in _FUSED:
+        mid = (_FUSED[mid[0]],)
+    return ".".join(("model", "layers", i, part[path[1]], *mid, leaf))
 
 
-def _transposed(config: ModelConfig, path: Path_) -> bool:
-    """torch Linear weights are ``[out, in]``; GPT-2's Conv1D already stores ``[in, out]``."""
-    return path[-1] == "kernel" and not isinstance(config, GPT2Config)
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One HF tensor and the tree params it holds.
+
+    ``paths``/``shapes``: the params, concatenated along the tree's last axis (several only for fused
+    projections). ``transposed``: HF stores ``[out, in]``. ``offset``: tree value = HF value + offset
+    (Gemma's norms: 1).
+    """
+
+    name: str
+    hf_shape: tuple[int, ...]
+    paths: tuple[Path_, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    transposed: bool
+    offset: float
 
 
-def _layout(config: ModelConfig) -> Iterator[tuple[Path_, tuple[int, ...], str, tuple[int, ...]]]:
-    """(tree path, tree shape, HF name, HF shape) for every param the config implies."""
+def _layout(config: ModelConfig) -> list[_Tensor]:
+    """Every HF tensor the config implies (param-tree order; fused parts in the HF row order)."""
     shapes = Model(config).param_shapes()
     leaves = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    groups: dict[str, list[tuple[Path_, tuple[int, ...]]]] = {}
     for keypath, shape in leaves:
         path = tuple(k.key for k in keypath)
-        hf_shape = tuple(reversed(shape)) if _transposed(config, path) else tuple(shape)
-        yield path, tuple(shape), hf_name(config, path), hf_shape
+        groups.setdefault(hf_name(config, path), []).append((path, tuple(shape)))
+    gemma = getattr(config, "norm_style", "llama") == "gemma"
+    out = []
+    for name, parts in groups.items():
+        parts.sort(key=lambda ps: _PART_ORDER.get(ps[0][-2], 0))  # tree leaves come sorted by key: k < q
+        paths, pshapes = tuple(p for p, _ in parts), tuple(s for _, s in parts)
+        tree_shape = (*pshapes[0][:-1], sum(s[-1] for s in pshapes))
+        transposed = paths[0][-1] == "kernel" and not isinstance(config, GPT2Config)
+        offset = 1.0 if gemma and paths[0][-1] == "scale" else 0.0
+        hf_shape = tuple(reversed(tree_shape)) if transposed else tree_shape
+        out.append(_Tensor(name, hf_shape, paths, pshapes, transposed, offset))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -214,21 +265,26 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
 
     params: dict[str, Any] = {}
     used: set[str] = set()
-    for path, _, name, hf_shape in _layout(config):
+    for t in _layout(config):
+        name = t.name
         if name not in tensors:
-            raise CheckpointError(f"{root}: tensor {name} is missing (needed for {'/'.join(path)})")
+            raise CheckpointError(f"{root}: tensor {name} is missing (needed for {'/'.join(t.paths[0])})")
         arr = tensors[name]
-        if tuple(arr.shape) != hf_shape:
+        if tuple(arr.shape) != t.hf_shape:
             raise CheckpointError(
-                f"{origin[name]}: tensor {name} has shape {tuple(arr.shape)} but config.json implies {hf_shape}"
+                f"{origin[name]}: tensor {name} has shape {tuple(arr.shape)} but config.json implies {t.hf_shape}"
             )
         if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
             raise CheckpointError(
                 f"non-float tensor ({origin[name]}: {name}): expected a floating-point dtype, found {arr.dtype.name}"
             )
         used.add(name)
-        value = arr.T if _transposed(config, path) else arr
-        _set(params, path, jnp.asarray(value if dtype is None else value.astype(np.float32), dtype=dtype))
+        value = arr.T if t.transposed else arr
+        if t.offset:  # in float32, as transformers computes 1 + w.float(); kept float32 (see the module doc)
+            value = value.astype(np.float32) + np.float32(t.offset)
+        ends = np.cumsum([s[-1] for s in t.shapes])[:-1]
+        for path, part in zip(t.paths, np.split(value, ends, axis=-1)):
+            _set(params, path, jnp.asarray(part) if dtype is None else jnp.asarray(part.astype(np.float32), dtype=dtype))
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
     leftover = sorted(n for n in tensors if n not in used and n != tied_head and not n.endswith(_IGNORED_SUFFIXES))
     if leftover:
@@ -276,14 +332,20 @@ def save_hf_checkpoint(
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     config = model.config
     out: dict[str, np.ndarray] = {}
-    for path, shape, name, _ in _layout(config):
-        try:
-            value = _to_float(_get(params, path))
-        except KeyError:
-            raise CheckpointError(f"params have no {'/'.join(path)} (needed for tensor {name})") from None
-        if value.shape != shape:
-            raise CheckpointError(f"param {'/'.join(path)} has shape {value.shape}, config implies {shape}")
-        value = value.T if _transposed(config, path) else value
+    for t in _layout(config):
+        name, values = t.name, []
+        for path, shape in zip(t.paths, t.shapes):
+            try:
+                value = _to_float(_get(params, path))
+            except KeyError:
+                raise CheckpointError(f"params have no {'/'.join(path)} (needed for tensor {name})") from None
+            if value.shape != shape:
+                raise CheckpointError(f"param {'/'.join(path)} has shape {value.shape}, config implies {shape}")
+            values.append(value)
+        value = np.concatenate(values, axis=-1) if len(values) > 1 else values[0]
+        if t.offset:
+            value = value - np.float32(t.offset)
+        value = value.T if t.transposed else value
         if dtype == "bfloat16":
             import ml_dtypes
 
@@ -294,6 +356,9 @@ def save_hf_checkpoint(
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     hf_cfg = {**(extra_config or {}), **to_hf_config(config), "dtype": dtype}
+    pad = hf_cfg.get("pad_token_id", _PHI3_PAD)
+    if getattr(config, "model_type", None) == "phi3" and pad is not None and int(pad) >= config.vocab:
+        hf_cfg["pad_token_id"] = None  # a pad id (Phi3Config's default: 32000) must index the embedding table
     # each file is replaced atomically (temporary file + fsync + rename); weights first, config last
     with atomic_path(root / "model.safetensors") as tmp:
         if dtype == "bfloat16":

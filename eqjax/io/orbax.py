@@ -173,7 +173,7 @@ def save_quantized(
     fingerprint = model_fingerprint(model) if model is not None else None
     if fingerprint is None and model_config is not None:
         try:
-            from eqjax.models.config import from_hf_config
+            from eqjax.models.hf_config import from_hf_config
 
             fingerprint = model_fingerprint(from_hf_config(model_config))
         except Exception:  # noqa: BLE001 - a config we cannot rebuild is recorded without a fingerprint

@@ -20,15 +20,8 @@ import jax.numpy as jnp
 from eqjax.models import generate as _decoding
 from eqjax.models import gpt2, llama
 from eqjax.models.cache import KVCache, LayerCache, init_cache
-from eqjax.models.config import (
-    ConfigError,
-    GPT2Config,
-    LlamaConfig,
-    ModelConfig,
-    RopeScaling,
-    from_hf_config,
-    to_hf_config,
-)
+from eqjax.models.config import ConfigError, GPT2Config, LlamaConfig, ModelConfig, RopeScaling
+from eqjax.models.hf_config import from_hf_config, to_hf_config
 from eqjax.models.llama import KVQuantizer
 
 __all__ = [
@@ -53,7 +46,7 @@ class Model:
     """A decoder-only LM: its config plus pure functions over a param pytree. Hashable (jit-static).
 
     Attributes:
-      config: a :class:`LlamaConfig` (Llama, Mistral, Qwen2, Qwen3) or :class:`GPT2Config`.
+      config: a :class:`LlamaConfig` (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3) or :class:`GPT2Config`.
       dtype: activation dtype (``"float32"`` default, or ``"bfloat16"``); norms, softmax and logits
         are float32 regardless.
 

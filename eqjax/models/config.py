@@ -1,9 +1,8 @@
 """Model configurations: frozen, hashable dataclasses (usable as ``jax.jit`` static arguments).
 
-:class:`LlamaConfig` covers the Llama family (Llama, Mistral, Qwen2, Qwen3) by its fields;
-:class:`GPT2Config` covers GPT-2. :func:`from_hf_config` turns a Hugging Face ``config.json`` dict into
-one of them and :func:`to_hf_config` goes back. Both the transformers 5 layout (``rope_parameters``)
-and the older one (``rope_theta`` + ``rope_scaling``) are read.
+:class:`LlamaConfig` covers the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3) by its
+fields; :class:`GPT2Config` covers GPT-2. Hugging Face ``config.json`` dicts are read and written by
+:mod:`eqjax.models.hf_config` (``from_hf_config`` / ``to_hf_config``; also exported by :mod:`eqjax.models`).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Mapping
 from eqjax.errors import InputError
+from eqjax.models.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 __all__ = [
     "ConfigError",
@@ -19,19 +19,10 @@ __all__ = [
     "GPT2Config",
     "ModelConfig",
     "LLAMA_FAMILY",
-    "from_hf_config",
-    "to_hf_config",
 ]
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "GPT2LMHeadModel": "gpt2",
-}
-_ARCH_OF = {v: k for k, v in _ARCHITECTURES.items()}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+NORM_STYLES = ("llama", "gemma")
 _ROPE_TYPES = ("linear", "llama3")
 
 
@@ -101,7 +92,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3). Hashable; build with keyword args.
+    """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3). Hashable; build with keyword args.
 
     Attributes:
       vocab: vocabulary size V.
@@ -118,7 +109,16 @@ class LlamaConfig:
       sliding_window: attend only to the last ``sliding_window`` positions (Mistral); None = off.
       sliding_layers: layer indices that use the window (None = every layer; Qwen2/3 ``layer_types``).
       max_position_embeddings: the model's trained context length (informational).
-      model_type: ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` (used when saving an HF checkpoint).
+      model_type: one of :data:`LLAMA_FAMILY` (used when saving an HF checkpoint: it picks the tensor
+        names, e.g. Phi-3's fused ``qkv_proj`` / ``gate_up_proj``).
+      hidden_act: the gated MLP's activation, ``act(gate) * up`` (:data:`GATED_ACTIVATIONS`: ``silu``,
+        ``gelu`` exact, ``gelu_new`` / ``gelu_pytorch_tanh`` tanh approximation; Gemma: GeGLU).
+      embed_scale: multiply the token embeddings by ``sqrt(hidden)``, rounded to the compute dtype (Gemma).
+      norm_style: ``"llama"``: RMSNorm output cast to the compute dtype, then times the scale;
+        ``"gemma"``: times the scale in float32, then cast (and HF checkpoints store ``scale - 1``).
+        Either way eqjax's param tree holds the *effective* scale, so a norm is ``x_hat * scale``.
+      rotary_dim: RoPE rotates the first ``rotary_dim`` channels of each head and passes the rest
+        (Phi-3's ``partial_rotary_factor``); None = ``head_dim``.
     """
 
     vocab: int
@@ -138,6 +138,10 @@ class LlamaConfig:
     sliding_layers: tuple[int, ...] | None = None
     max_position_embeddings: int = 2048
     model_type: str = "llama"
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    norm_style: Literal["llama", "gemma"] = "llama"
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalization
@@ -165,6 +169,14 @@ class LlamaConfig:
             raise ConfigError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.model_type not in LLAMA_FAMILY:
             raise ConfigError(f"LlamaConfig.model_type must be one of {LLAMA_FAMILY}, got {self.model_type!r}")
+        if self.hidden_act not in GATED_ACTIVATIONS:
+            raise ConfigError(f"LlamaConfig.hidden_act must be one of {GATED_ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.norm_style not in NORM_STYLES:
+            raise ConfigError(f"LlamaConfig.norm_style must be one of {NORM_STYLES}, got {self.norm_style!r}")
+        if self.rotary_dim is None:
+            set_("rotary_dim", self.head_dim)
+        if not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+            raise ConfigError(f"rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
 
     def window_for(self, layer_index: int) -> int | None:
         """The sliding window of layer ``layer_index`` (None = full causal attention)."""
@@ -206,7 +218,7 @@ class GPT2Config:
             object.__setattr__(self, "intermediate", 4 * self.hidden)
         if self.hidden % self.n_heads:
             raise ConfigError(f"GPT-2 hidden {self.hidden} is not a multiple of n_heads {self.n_heads}")
-        if self.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu"):
+        if self.activation not in ACTIVATIONS or self.activation == "silu":
             raise ConfigError(f"unsupported GPT-2 activation {self.activation!r}")
 
     @property
@@ -224,170 +236,3 @@ class GPT2Config:
 
 ModelConfig = LlamaConfig | GPT2Config
 
-
-def _model_type(d: Mapping[str, Any], source: str) -> str:
-    mt = d.get("model_type")
-    if mt in LLAMA_FAMILY or mt == "gpt2":
-        return mt
-    for arch in d.get("architectures") or ():
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    what = f"model_type {mt!r}" if mt else "no model_type"
-    archs = d.get("architectures")
-    raise ConfigError(
-        f"{source}: unsupported architecture ({what}, architectures {archs}); eqjax supports "
-        f"{', '.join(LLAMA_FAMILY + ('gpt2',))}"
-    )
-
-
-def _require(d: Mapping[str, Any], key: str, source: str) -> Any:
-    if d.get(key) is None:
-        raise ConfigError(f"{source}: missing required field {key!r}")
-    return d[key]
-
-
-def _rope(d: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    params = d.get("rope_parameters") or {}
-    legacy = d.get("rope_scaling") or {}
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
-    src = params if params.get("rope_type", params.get("type")) not in (None, "default") else legacy
-    try:
-        scaling = RopeScaling.from_dict(src, max_position_embeddings=int(d.get("max_position_embeddings", 8192)))
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    return float(theta), scaling
-
-
-def _llama_from_hf(d: Mapping[str, Any], mt: str, source: str) -> LlamaConfig:
-    if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only silu)")
-    if d.get("mlp_bias"):
-        raise ConfigError(f"{source}: mlp_bias=true is not supported")
-    theta, scaling = _rope(d, source)
-    n_layers = int(_require(d, "num_hidden_layers", source))
-    window = d.get("sliding_window")
-    if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-        window = None
-    layers: tuple[int, ...] | None = None
-    types = d.get("layer_types")
-    if window is not None and mt in ("qwen2", "qwen3"):
-        if types is None:
-            start = int(d.get("max_window_layers", 0))
-            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
-        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-        if not layers:
-            window, layers = None, None
-    n_heads = int(_require(d, "num_attention_heads", source))
-    return LlamaConfig(
-        vocab=int(_require(d, "vocab_size", source)),
-        hidden=int(_require(d, "hidden_size", source)),
-        intermediate=int(_require(d, "intermediate_size", source)),
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-        head_dim=d.get("head_dim"),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=True if mt == "qwen2" else bool(d.get("attention_bias", False)),
-        qk_norm=mt == "qwen3",
-        sliding_window=None if window is None else int(window),
-        sliding_layers=layers,
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-        model_type=mt,
-    )
-
-
-def _gpt2_from_hf(d: Mapping[str, Any], source: str) -> GPT2Config:
-    if d.get("tie_word_embeddings", True) is False:
-        raise ConfigError(f"{source}: GPT-2 with untied embeddings is not supported")
-    return GPT2Config(
-        vocab=int(_require(d, "vocab_size", source)),
-        hidden=int(d.get("n_embd", d.get("hidden_size", 768))),
-        n_layers=int(d.get("n_layer", d.get("num_hidden_layers", 12))),
-        n_heads=int(d.get("n_head", d.get("num_attention_heads", 12))),
-        n_positions=int(d.get("n_positions", 1024)),
-        intermediate=d.get("n_inner"),
-        layer_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
-        activation=d.get("activation_function", "gelu_new"),
-        scale_attn_by_inverse_layer_idx=bool(d.get("scale_attn_by_inverse_layer_idx", False)),
-    )
-
-
-def from_hf_config(d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
-    """A config from a Hugging Face ``config.json`` dict; errors name ``source``.
-
-    Dispatches on ``model_type`` (else ``architectures``). Raises :class:`ConfigError` for an
-    unsupported architecture, a missing field or an unsupported RoPE scaling.
-    """
-    mt = _model_type(d, source)
-    try:
-        if mt == "gpt2":
-            return _gpt2_from_hf(d, source)
-        return _llama_from_hf(d, mt, source)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{source}: invalid {mt} config: {e}") from None
-
-
-def to_hf_config(config: ModelConfig) -> dict[str, Any]:
-    """A ``config.json`` dict that transformers loads as the same model (float32 weights)."""
-    if isinstance(config, GPT2Config):
-        return {
-            "model_type": "gpt2",
-            "architectures": [_ARCH_OF["gpt2"]],
-            "vocab_size": config.vocab,
-            "n_embd": config.hidden,
-            "n_layer": config.n_layers,
-            "n_head": config.n_heads,
-            "n_positions": config.n_positions,
-            "n_inner": config.intermediate,
-            "layer_norm_epsilon": config.layer_norm_eps,
-            "activation_function": config.activation,
-            "scale_attn_by_inverse_layer_idx": config.scale_attn_by_inverse_layer_idx,
-            "tie_word_embeddings": True,
-            "dtype": "float32",
-        }
-    c = config
-    rope: dict[str, Any] = {"rope_type": "default"} if c.rope_scaling is None else c.rope_scaling.to_dict()
-    d: dict[str, Any] = {
-        "model_type": c.model_type,
-        "architectures": [_ARCH_OF[c.model_type]],
-        "vocab_size": c.vocab,
-        "hidden_size": c.hidden,
-        "intermediate_size": c.intermediate,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "max_position_embeddings": c.max_position_embeddings,
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {**rope, "rope_theta": c.rope_theta},  # transformers 5
-        "rope_scaling": None if c.rope_scaling is None else c.rope_scaling.to_dict(),  # transformers 4
-        "dtype": "float32",
-    }
-    if c.model_type in ("llama", "qwen3"):
-        d["attention_bias"] = c.attention_bias
-    elif c.model_type == "qwen2" and not c.attention_bias:
-        raise ConfigError("qwen2 always has q/k/v biases; attention_bias=False cannot be saved as qwen2")
-    if c.model_type == "mistral":
-        if c.sliding_layers is not None:
-            raise ConfigError("mistral applies its sliding window to every layer; sliding_layers must be None")
-        d["sliding_window"] = c.sliding_window
-    elif c.model_type in ("qwen2", "qwen3"):
-        d["use_sliding_window"] = c.sliding_window is not None
-        d["sliding_window"] = c.sliding_window
-        d["max_window_layers"] = c.n_layers
-        d["layer_types"] = [
-            "sliding_attention" if c.window_for(i) is not None else "full_attention" for i in range(c.n_layers)
-        ]
-    elif c.sliding_window is not None:
-        raise ConfigError("a llama config cannot carry a sliding window; use model_type='mistral'")
-    return d

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from eqjax.linear import linear
+from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import GPT2Config
 from eqjax.models.llama import KVQuantizer, as_float, attend
@@ -61,14 +62,6 @@ def layer_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     var = jnp.mean(jnp.square(x32 - mu), axis=-1, keepdims=True)
     y = (x32 - mu) * jax.lax.rsqrt(var + eps) * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)
     return y.astype(x.dtype)
-
-
-def _act(name: str, x: jax.Array) -> jax.Array:
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return jax.nn.gelu(x, approximate=True)
-    if name == "gelu":
-        return jax.nn.gelu(x, approximate=False)
-    return jax.nn.relu(x)
 
 
 def embed(
@@ -120,7 +113,7 @@ def block(
     o = attend(q, keys, vals, q_pos, k_pos, scale=scale)
     h = h + linear(o, p["attn"]["c_proj"])
     x = layer_norm(h, p["ln_2"], c.layer_norm_eps)
-    y = linear(_act(c.activation, linear(x, p["mlp"]["c_fc"])), p["mlp"]["c_proj"])
+    y = linear(activation(c.activation, linear(x, p["mlp"]["c_fc"])), p["mlp"]["c_proj"])
     return h + y, cache
 
 

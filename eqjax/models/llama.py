@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as pure functions over a param pytree.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3) as pure functions over a param pytree.
 
 Param tree (Flax naming; every ``{"kernel", "bias"?}`` goes through :func:`eqjax.linear.linear`, so a
 kernel may be a float array, a QArray or an ActQuantKernel)::
@@ -17,6 +17,13 @@ kernel may be a float array, a QArray or an ActQuantKernel)::
 
 Numerics follow transformers' eager implementation: RMSNorm in float32, RoPE with the
 ``rotate_half`` convention (first/second half of each head paired), softmax in float32.
+
+The architectures differ only by config fields (:class:`~eqjax.models.config.LlamaConfig`): the MLP
+activation (``hidden_act``: SwiGLU, GeGLU), Gemma's ``embed_scale`` (embeddings times ``sqrt(D)``) and
+``norm_style`` (where the scale multiplies), partial RoPE (``rotary_dim``, Phi-3), biases, q/k norms,
+sliding windows. Norm scales in the tree are always the effective ones (Gemma's ``1 + w``), so every
+norm is ``x_hat * scale`` and scale folds (SmoothQuant, AWQ) find it. Phi-3's fused ``qkv_proj`` /
+``gate_up_proj`` are split into the projections above by the checkpoint loader.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.linear import linear
+from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import LlamaConfig
 from eqjax.numerics import dequantize
@@ -66,7 +74,7 @@ class KVQuantizer(Protocol):
 def param_shapes(config: LlamaConfig) -> dict[str, Any]:
     """Nested dict of the param tree's shapes (tuples), biases included only where the config has them.
 
-    ``attention_bias`` gives q/k/v biases (and an o_proj bias for ``llama``/``qwen3``, as transformers).
+    ``attention_bias`` gives q/k/v biases (and an o_proj bias for ``llama``/``qwen3``/``gemma``, as transformers).
     """
     c = config
     D, F, hd, V = c.hidden, c.intermediate, c.head_dim, c.vocab
@@ -79,7 +87,7 @@ def param_shapes(config: LlamaConfig) -> dict[str, Any]:
         "q_proj": lin(D, q, c.attention_bias),
         "k_proj": lin(D, kv, c.attention_bias),
         "v_proj": lin(D, kv, c.attention_bias),
-        "o_proj": lin(q, D, c.attention_bias and c.model_type in ("llama", "qwen3")),
+        "o_proj": lin(q, D, c.attention_bias and c.model_type in ("llama", "qwen3", "gemma")),
     }
     if c.qk_norm:
         attn["q_norm"] = {"scale": (hd,)}
@@ -105,16 +113,23 @@ def as_float(x: Any, dtype: Any = jnp.float32) -> jax.Array:
     return jnp.asarray(x).astype(dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """``x / rms(x) * scale`` over the last axis, computed in float32; returns ``x``'s dtype."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, style: str = "llama") -> jax.Array:
+    """``x / rms(x) * scale`` over the last axis, normalized in float32; returns ``x``'s dtype.
+
+    ``style="llama"`` casts the normalized ``x`` to ``x``'s dtype before the product (transformers'
+    LlamaRMSNorm); ``"gemma"`` multiplies in float32 and casts after (GemmaRMSNorm). ``scale [D]`` is
+    the effective scale either way (Gemma's ``1 + w``). Identical in float32.
+    """
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if style == "gemma":
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
     return scale.astype(x.dtype) * y.astype(x.dtype)
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies ``[hd / 2]`` (float32), with the config's RoPE scaling applied."""
-    hd = config.head_dim
+    """Inverse frequencies ``[rotary_dim / 2]`` (float32), with the config's RoPE scaling applied."""
+    hd = config.rotary_dim
     inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / hd))).astype(np.float32)
     s = config.rope_scaling
     if s is None:
@@ -133,13 +148,20 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x [B, T, H, hd]`` at ``positions [B, T]`` (rotate_half convention, float32 angles)."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+    """Rotate ``x [B, T, H, hd]`` at ``positions [B, T]`` (rotate_half convention, float32 angles).
+
+    Only the first ``rd = 2 * len(inv_freq)`` channels of each head rotate (partial RoPE, Phi-3);
+    the other ``hd - rd`` pass unchanged.
+    """
+    rd = 2 * len(inv_freq)
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, rd/2]
     ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rot * sin
+    xr = x[..., :rd] if rd < x.shape[-1] else x
+    half = rd // 2
+    rot = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = xr * cos + rot * sin
+    return jnp.concatenate([out, x[..., rd:]], axis=-1) if rd < x.shape[-1] else out
 
 
 def attend(
@@ -211,11 +233,18 @@ def _attention(
 
 
 def embed(config: LlamaConfig, params: Params, tokens: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-    """Token embeddings ``[B, T, D]`` in ``dtype`` for ``tokens [B, T]``."""
+    """Token embeddings ``[B, T, D]`` in ``dtype`` for ``tokens [B, T]``.
+
+    With ``config.embed_scale`` (Gemma) they are multiplied by ``sqrt(D)`` rounded to ``dtype``, as
+    transformers does.
+    """
     table = params["embed"]["embedding"]
     if isinstance(table, QArray):
         table = dequantize(table, dtype)
-    return jnp.take(table, tokens, axis=0).astype(dtype)
+    h = jnp.take(table, tokens, axis=0).astype(dtype)
+    if config.embed_scale:
+        h = h * jnp.asarray(config.hidden**0.5, dtype)
+    return h
 
 
 def block(
@@ -233,20 +262,20 @@ def block(
     With a cache the new keys/values are written at slots ``[cache.length, cache.length + T)`` and the
     queries attend to every filled slot (the returned cache keeps ``length``; the caller advances it).
     """
-    eps = config.rms_norm_eps
+    eps, style = config.rms_norm_eps, config.norm_style
     a, cache = _attention(
-        config, p["attn"], rms_norm(h, p["attn_norm"]["scale"], eps), positions, layer_index, cache, kv_quant
+        config, p["attn"], rms_norm(h, p["attn_norm"]["scale"], eps, style), positions, layer_index, cache, kv_quant
     )
     h = h + a
-    x = rms_norm(h, p["mlp_norm"]["scale"], eps)
+    x = rms_norm(h, p["mlp_norm"]["scale"], eps, style)
     m = p["mlp"]
-    y = linear(jax.nn.silu(linear(x, m["gate_proj"])) * linear(x, m["up_proj"]), m["down_proj"])
+    y = linear(activation(config.hidden_act, linear(x, m["gate_proj"])) * linear(x, m["up_proj"]), m["down_proj"])
     return h + y, cache
 
 
 def head(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """Final RMSNorm and LM head: float32 logits ``[B, T, V]``."""
-    x = rms_norm(h, params["final_norm"]["scale"], config.rms_norm_eps)
+    x = rms_norm(h, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_style)
     if "lm_head" in params:
         return linear(x, params["lm_head"]).astype(jnp.float32)
     table = as_float(params["embed"]["embedding"], x.dtype)

@@ -141,7 +141,7 @@ def test_unsupported_rope_scaling(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="config.json: unsupported rope scaling type 'yarn'"):
+    with pytest.raises(CheckpointError, match="config.json: llama rope_parameters: unsupported rope scaling type 'yarn'"):
         load_hf_checkpoint(tmp_path)
 
 

@@ -1,4 +1,5 @@
-"""Logit parity with transformers (eager attention, float32) for every supported architecture.
+"""Logit parity with transformers (eager attention, float32) for every supported architecture
+(Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2; silu, gelu and relu MLPs).
 
 Each case builds a tiny random model with transformers, saves it as safetensors, loads it with
 :func:`eqjax.io.hf.load_hf_checkpoint` and compares logits (max abs <= 1e-4) for a batched prefill
@@ -67,11 +68,40 @@ CASES = {
     ),
     "qwen3_qknorm": ("Qwen3Config", dict(_COMMON, tie_word_embeddings=False)),
     "gpt2": ("GPT2Config", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    # GPT-2-style variants: exact gelu, a non-default MLP width, the per-layer attention scale; relu
+    "gpt2_gelu_inner_layer_scale": (
+        "GPT2Config",
+        dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, activation_function="gelu", n_inner=80,
+             scale_attn_by_inverse_layer_idx=True),
+    ),
+    "gpt2_relu": ("GPT2Config", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     activation_function="relu")),
+    # Gemma: GeGLU, sqrt(D) embedding scale, (1 + w) norms, head_dim 24 != hidden / heads, tied.
+    "gemma_tied": (
+        "GemmaConfig",
+        dict(_COMMON, head_dim=24, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh"),
+    ),
+    "gemma_untied_bias_linear_rope": (
+        "GemmaConfig",
+        dict(_COMMON, tie_word_embeddings=False, attention_bias=True, hidden_act="gelu_pytorch_tanh",
+             **_rope({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    ),
+    # Phi-3: fused qkv_proj / gate_up_proj, sliding window, partial rotary (pad id inside the tiny vocab).
+    "phi3_window": ("Phi3Config", dict(_COMMON, sliding_window=6, pad_token_id=0)),
+    "phi3_partial_rotary_tied": (
+        "Phi3Config",
+        dict(_COMMON, partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0),
+    ),
+    # gelu MLPs on Llama-family configs
+    "llama_gelu": ("LlamaConfig", dict(_COMMON, hidden_act="gelu")),
+    "qwen2_gelu_new": ("Qwen2Config", dict(_COMMON, hidden_act="gelu_new")),
+    "mistral_gelu_tanh": ("MistralConfig", dict(_COMMON, hidden_act="gelu_pytorch_tanh")),
 }
 
 # Decoding is checked on every architecture; these variants differ from a decoded case only in
 # ways the prefill already covers (saves compile time).
-PREFILL_ONLY = ("llama_linear_rope", "qwen2_bias_tied")
+PREFILL_ONLY = ("llama_linear_rope", "qwen2_bias_tied", "gemma_untied_bias_linear_rope", "qwen2_gelu_new",
+                "mistral_gelu_tanh", "gpt2_relu")
 
 
 def _randomize(model) -> None:
@@ -160,16 +190,23 @@ def test_sharded_checkpoint(tmp_path):
     [
         ("mistral_window", {"sliding_window": None}),
         ("llama_tied_llama3_rope", {"rope_scaling": None}),
+        ("gemma_tied", {"embed_scale": False}),
+        ("gemma_tied", {"hidden_act": "silu"}),
+        ("phi3_partial_rotary_tied", {"rotary_dim": 16}),
+        ("phi3_window", {"sliding_window": None}),
+        ("llama_gelu", {"hidden_act": "gelu_pytorch_tanh"}),
+        ("gpt2_gelu_inner_layer_scale", {"scale_attn_by_inverse_layer_idx": False}),
     ],
 )
 def test_features_matter(tmp_path, case, changed):
-    """Control: without the window / the RoPE scaling the logits are clearly different."""
+    """Control: without the window / the RoPE scaling / Gemma's embedding scale / partial RoPE, or with
+    another activation (even exact vs tanh GELU), the logits differ by well over the parity tolerance."""
     hf = _build(case)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model, params = load_hf_checkpoint(tmp_path)
     plain = dataclasses.replace(model, config=dataclasses.replace(model.config, **changed))
     logits, _ = jax.jit(plain.apply)(params, jnp.asarray(_tokens(), jnp.int32))
-    assert np.abs(np.asarray(logits) - _hf_logits(hf, _tokens())).max() > 1e-2
+    assert np.abs(np.asarray(logits) - _hf_logits(hf, _tokens())).max() > 10 * TOL
 
 
 def test_tied_and_untied_trees(tmp_path):

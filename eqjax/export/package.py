@@ -48,6 +48,10 @@ TARGETS = {
 }
 
 
+CHECK_TEXT = "The quick brown fox jumps over the lazy dog, and the history of the city began in 1850 when"
+"""The self-check's prompt (natural text: activations as in use, which int8-activation levels depend on)."""
+
+
 def check_recipe(recipe: Any) -> None:
     """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit)."""
     if getattr(recipe, "kv", None) is not None:
@@ -131,7 +135,12 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
         g.op("Identity", ["position_ids"], hint="position_ids_unused")
     info = {"fused": dict(w.counts), "dequantized_to_float": sorted(set(w.dequantized)),
             "gqa": w.counts.get("GroupQueryAttention", 0) == L, "context_length": context_length}
-    return g.finish(f"eqjax_{getattr(c, 'model_type', 'decoder')}"), info
+    proto = g.finish(f"eqjax_{getattr(c, 'model_type', 'decoder')}")
+    if fuse:
+        from eqjax.export.pack import pack_siblings  # noqa: PLC0415
+
+        info["packed_matmuls"] = pack_siblings(proto)
+    return proto, info
 
 
 def genai_config(model: Any, tok: Any, *, context_length: int, share_buffer: bool = True) -> dict:
@@ -213,7 +222,8 @@ def export_package(model: Any, params: Mapping[str, Any], out: str | os.PathLike
         if check:
             from eqjax.export.runtime import check_against_eqjax  # noqa: PLC0415
 
-            manifest["check"] = check_against_eqjax(model, params, tmp, accuracy_level=level)
+            ids = tokenizer.encode(CHECK_TEXT)[:16] if tokenizer is not None else None
+            manifest["check"] = check_against_eqjax(model, params, tmp, accuracy_level=level, tokens=ids)
         manifest["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         manifest["bytes"] = sum(manifest["files"].values())
         (tmp / "eqjax_export.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -119,9 +119,12 @@ def _block_size(q: QArray, contracting: tuple[int, ...], shape: tuple[int, ...],
     if g.kind == "group" and g.axes[0] in contracting:
         G = g.group_size
         inner_ok = g.axes[0] == max(contracting) and (len(contracting) == 1 or shape[g.axes[0]] % G == 0)
-        if inner_ok and G >= 16 and G & (G - 1) == 0:
-            return G
-        return 0
+        if not inner_ok or G < 16 or G & (G - 1):
+            return 0
+        # a short last group (576 = 4 x 128 + 64): blocks of gcd(G, K) hold the same numbers without padding
+        # the codes (smaller, and int8-activation blocks stay aligned with the groups)
+        common = np.gcd(G, K) & -np.gcd(G, K)  # the largest power of two dividing both
+        return int(common) if common >= 16 else G
     for bs in (256, 128, 64, 32, 16):
         if K % bs == 0:
             return bs

@@ -37,11 +37,11 @@ __all__ = ["ExportError", "OPSET", "W8A8_ZERO_POINT", "w8a8_weight_codes", "make
 
 
 def build_model(model: Any, params: Mapping[str, Any], *, accuracy_level: int | None = 0, fuse: bool = True,
-                context_length: int | None = None, decode: bool = True) -> onnx.ModelProto:
+                context_length: int | None = None) -> onnx.ModelProto:
     """The decoder graph of ``model`` with ``params`` (see :mod:`eqjax.export.package` for its I/O).
 
     ``accuracy_level`` 0 (default here): MatMulNBits computes with float activations, i.e. exactly what
-    eqjax computes. ``decode`` is accepted for compatibility: the graph always has the KV cache.
+    eqjax computes. The graph always has the KV cache.
     """
     from eqjax.export.package import build_decoder  # noqa: PLC0415
 
@@ -126,7 +126,7 @@ def linear_graph(layer: Mapping[str, Any], *, path: str = "linear", accuracy_lev
 
 def onnx_logits(session: Any, tokens: np.ndarray) -> np.ndarray:
     """Prefill logits ``[B, T, V]`` of a decoder graph (empty cache)."""
-    return Runner(session).logits(np.asarray(tokens), cache="grow")
+    return Runner(session).logits(np.asarray(tokens), cache="buffer")  # genai's shared buffer: fused and fallback graphs
 
 
 def onnx_perplexity(session: Any, windows: np.ndarray) -> float:

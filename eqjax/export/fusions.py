@@ -328,6 +328,8 @@ def _attention(P: _P, ctx: DecodeContext) -> list[Fused]:
             continue
         A = rs[0].outs[0]
         B, Hkv, G, T, hd = prog.shape(q5.outs[0])
+        if int(hd) % 8:  # onnxruntime's GroupQueryAttention: "head_size must be a multiple of 8"
+            continue
         rq, rk = _rope(P, Q4, ctx), _rope(P, K4, ctx)
         ins = (rq.pre if rq else Q4, rk.pre if rk else K4, V4, dk.ins[0], dv.ins[0])
         out.append(Fused(ins, (A, dk.outs[0], dv.outs[0]),

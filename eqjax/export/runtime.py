@@ -135,7 +135,8 @@ def check_against_eqjax(model: Any, params: Any, package: Any, *, accuracy_level
     prompt_len = toks.shape[1] - 1
     ref = np.asarray(model.apply(params, jnp.asarray(toks, jnp.int32))[0])
     r = Runner(make_session(package))
-    lg, past = r._run(toks[:, :prompt_len], r.empty(1, 0), 0)
+    # onnxruntime-genai's shared buffer (fixed slots), which fused and fallback graphs both take
+    lg, past = r._run(toks[:, :prompt_len], r.empty(1, toks.shape[1]), 0)
     lg2, _ = r._run(toks[:, prompt_len:], past, prompt_len)
     got = np.concatenate([lg, lg2], 1)
     scale = float(np.abs(ref).max())

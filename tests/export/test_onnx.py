@@ -198,8 +198,8 @@ def test_model_export_names_the_bad_layer(tiny):
 @pytest.mark.slow
 def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     """Real model, packages as `eqjax export-onnx` writes them: onnxruntime perplexity within 0.5 % of
-    eqjax's (1 window of 256 tokens), W4 at the exact level (0) and at the cpu target's int8-activation
-    level (4, whose choice claims 0.5 %), W8A8 (SmoothQuant)."""
+    eqjax's (1 window of 256 tokens) at the default target (float activations in MatMulNBits), W4 and W8A8
+    (SmoothQuant); the cpu-int8 target (int8 activations, level 4) within 3 % (measured +1.5 %)."""
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity
     from eqjax.export.package import export_package
@@ -214,9 +214,9 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     w4 = quantize(params, get_recipe("w4g128-rtn"), model=model)
     sq = quantize(params, get_recipe("w8a8-smoothquant"), model=model,
                   calibration=calibration_windows(cal_ids, 4, 128, 0))
-    for name, qp, target in (("w4", w4, "cpu-exact"), ("w4", w4, "cpu"), ("w8a8", sq, "cpu-exact")):
+    for name, qp, target, tol in (("w4", w4, "cpu", 0.005), ("w8a8", sq, "cpu", 0.005), ("w4", w4, "cpu-int8", 0.03)):
         d = export_package(model, qp, tmp_path / f"{name}-{target}", tokenizer=tok, target=target, check=False)
-        assert d["accuracy_level"] == (0 if target == "cpu-exact" else 4)
+        assert d["accuracy_level"] == (0 if target == "cpu" else 4)
         ort_ppl = onnx_perplexity(make_session(tmp_path / f"{name}-{target}"), win)
         ref = perplexity(model, qp, win).ppl
-        assert abs(ort_ppl / ref - 1) < 0.005, (name, target, ort_ppl, ref)
+        assert abs(ort_ppl / ref - 1) < tol, (name, target, ort_ppl, ref)

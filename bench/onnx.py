@@ -1,29 +1,30 @@
-"""onnxruntime (CPU) latency and perplexity of eqjax's ONNX exports of SmolLM2-135M.
+"""Edge packages of SmolLM2-135M in onnxruntime (CPU): eqjax's exports beside onnxruntime-genai's own builder.
 
 Usage::
 
-    python bench/onnx.py                       # ~5-10 min on 2 shared CPU cores
-    python bench/onnx.py --eval-windows 2 --prefill 256 --decode-tokens 8
+    nice python bench/onnx.py                  # every row, one run (~20-40 min on 2 shared cores)
+    python bench/onnx.py --only eqjax-fp32,ort-dynamic
 
-Variants (all exported with ``decode=True``: one graph, empty past for prefill):
+Rows (all in one run, the same onnxruntime / onnxruntime-genai, the same token ids):
 
-  fp32            recipe ``fp``: MatMul on float32 initializers
-  w8a8-sq (ours)  recipe ``w8a8-smoothquant`` (SmoothQuant alpha 0.85 folded into the norms/kernels, W8
-                  per-channel symmetric + A8 per-token dynamic): hand-built per-token int8 quantization +
-                  MatMulInteger
-  w4 (ours)       W4 asymmetric RTN, group 128 where it divides the input (1536), else 64 (576):
-                  com.microsoft MatMulNBits (accuracy_level unset = 0)
-  ort-dynamic     ``onnxruntime.quantization.quantize_dynamic`` of the fp32 export (defaults: QInt8
-                  weights per tensor, MatMul only; dynamic uint8 per-tensor activations ->
-                  DynamicQuantizeLinear + MatMulInteger)
-  w8 (ours)       weight-only W8 per-channel: DequantizeLinear -> MatMul, measured under two settings
-                  of ``session.qdq_matmulnbits_accuracy_level`` (0: float activations, the default in
-                  eqjax.export.onnx.make_session; 4: onnxruntime 1.32's own default, int8 activations)
+  eqjax-int4-gptq (level 4 / level 0)  GPTQ W4 asymmetric group 128 (act-order, 16 x 256 calibration
+                  windows) + embedding / tied LM head int4 groups of 32 (RTN, asymmetric), exported with
+                  ``export_package`` at MatMulNBits accuracy level 4 (``--target cpu-int8``) and 0
+                  (``--target cpu``, the default)
+  eqjax-w8a8      ``w8a8-smoothquant`` (W8 per channel + A8 per token, MatMulInteger u8 x u8)
+  eqjax-fp32      no quantization
+  genai-int4 / genai-int4-kquant   ``python -m onnxruntime_genai.models.builder -p int4 -e cpu`` (defaults /
+                  ``--extra_options int4_algo_config=k_quant``) on the *same* weights, written as an HF
+                  directory by ``eqjax.io.hf.save_hf_checkpoint`` with eqjax's tokenizer.json. The builder
+                  needs transformers >= 5 and onnx-ir: it runs in its own virtual env (``--genai-venv``,
+                  made once with ``--system-site-packages`` + transformers==5.17.0 onnx-ir==1.1.0)
+  ort-dynamic     ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights, MatMul) of eqjax-fp32
 
-Each figure: median of ``--reps`` prefill runs of ``--prefill`` tokens (batch 1) after one warm-up;
-decode tokens/s: ``--decode-tokens`` single-token steps after a prefill of ``--prefill`` tokens. Perplexity
-on the first ``--eval-windows`` windows of ``--eval-len`` tokens of the Wikipedia evaluation half (a small
-slice, stated in the report; eqjax's own figure on the same windows is given for our exports).
+Per row: file MiB (model.onnx + external data), perplexity on ``--eval-windows`` x ``--eval-len`` tokens of
+the Wikipedia evaluation half (eqjax's own perplexity of the same params beside ours), prefill ms
+(``--prefill`` tokens, batch 1, median of ``--reps``), decode tokens/s through the same plain loop
+(:class:`eqjax.export.runtime.Runner`, cache fed back at its length, ``--decode-tokens`` steps after the
+prefill) and through onnxruntime-genai's ``Generator`` (greedy, same prompt and count).
 Writes ``bench/results/onnx.json`` and ``onnx.md``.
 """
 
@@ -34,7 +35,9 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,40 +51,72 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-
-def _feeds_empty(sess, tokens):
-    feeds = {"input_ids": np.asarray(tokens, np.int64)}
-    for inp in sess.get_inputs():
-        if inp.name.startswith("past_"):
-            feeds[inp.name] = np.zeros((tokens.shape[0], inp.shape[1], 0, inp.shape[3]), np.float32)
-    return feeds
+GENAI_VENV = Path("~/.cache/eqjax-genai").expanduser()
+GENAI_REQS = ["transformers==5.17.0", "onnx-ir==1.1.0"]
 
 
-def time_session(sess, tokens, reps, decode_tokens):
-    outs = [o.name for o in sess.get_outputs()]
-    feeds = _feeds_empty(sess, tokens)
-    sess.run(outs, feeds)  # warm-up
+def package_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.iterdir() if p.name.startswith("model.onnx"))
+
+
+def ensure_genai_venv(root: Path) -> Path:
+    py = root / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(root)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *GENAI_REQS], check=True)
+    return py
+
+
+def run_builder(py: Path, hf: Path, out: Path, extra: list[str]) -> float:
+    t0 = time.perf_counter()
+    cmd = [str(py), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "int4", "-e", "cpu",
+           "-c", str(out.parent / "hf_cache"), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"genai builder failed: {r.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def generator_tok_s(d: Path, prompt: np.ndarray, new: int) -> float | None:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(d))
+    ids = [int(i) for i in prompt]
+    best = None
+    for _ in range(2):  # warm-up + measured
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + new, min_length=len(ids) + new, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids)
+        gen.generate_next_token()
+        t0 = time.perf_counter()
+        n = 0
+        while not gen.is_done():
+            gen.generate_next_token()
+            n += 1
+        best = n / (time.perf_counter() - t0) if n else None
+        del gen
+    return best
+
+
+def measure(d: Path, windows: np.ndarray, prompt: np.ndarray, args, *, genai: bool) -> dict:
+    from eqjax.export.runtime import Runner, make_session, perplexity
+
+    r = Runner(make_session(d, threads=args.threads), head_dim=64)
+    ppl = perplexity(r, windows)
+    r.greedy(prompt[:, :32], 3)  # warm-up
     ts = []
-    for _ in range(reps):
+    for _ in range(args.reps):
         t0 = time.perf_counter()
-        res = sess.run(outs, feeds)
+        r.logits(prompt)
         ts.append(time.perf_counter() - t0)
-    out = {"prefill_ms": 1e3 * statistics.median(ts), "prefill_tokens_per_s": tokens.shape[1] / statistics.median(ts)}
-    if decode_tokens and any(o.startswith("present_") for o in outs):
-        cur = dict(zip(outs, res))
-        nxt = np.argmax(cur["logits"][:, -1], -1)[:, None]
-        t0 = time.perf_counter()
-        for _ in range(decode_tokens):
-            f = {"input_ids": nxt.astype(np.int64)}
-            for name in outs:
-                if name.startswith("present_"):
-                    f[name.replace("present_", "past_")] = cur[name]
-            cur = dict(zip(outs, sess.run(outs, f)))
-            nxt = np.argmax(cur["logits"][:, -1], -1)[:, None]
-        dt = time.perf_counter() - t0
-        out["decode_tokens_per_s"] = decode_tokens / dt
-        out["decode_context"] = int(tokens.shape[1])
-    return out
+    _, info = r.greedy(prompt, args.decode_tokens + 1)
+    row = {"file_mib": package_bytes(d) / 2**20, "ppl_onnxruntime": ppl, "prefill_ms": 1e3 * statistics.median(ts),
+           "decode_tok_s_plain": info["decode_tokens_per_s"]}
+    del r
+    if genai:
+        row["decode_tok_s_generator"] = generator_tok_s(d, prompt[0], args.decode_tokens)
+    return row
 
 
 def main(argv=None) -> int:
@@ -90,148 +125,154 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-windows", type=int, default=16)
-    ap.add_argument("--only", default=None, help="comma-separated subset of variants")
+    ap.add_argument("--genai-venv", default=str(GENAI_VENV))
+    ap.add_argument("--only", default=None, help="comma-separated subset of rows")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "onnx"))
     args = ap.parse_args(argv)
 
     import jax
     import onnxruntime as ort
+    import onnxruntime_genai as og
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
-    from eqjax.evaluate import perplexity
-    from eqjax.export.onnx import export_onnx, make_session, onnx_perplexity
-    from eqjax.io.gguf import load_gguf
-    from eqjax.methods.rtn import RTN
+    from eqjax.evaluate import perplexity as eqjax_ppl
+    from eqjax.export.onnx import embedding_step
+    from eqjax.export.package import export_package
+    from eqjax.io.gguf import default_model_path, load_gguf, read_metadata
+    from eqjax.io.hf import save_hf_checkpoint
+    from eqjax.methods.gptq import GPTQ
     from eqjax.models import Model
-    from eqjax.pytree import tree_nbytes
     from eqjax.recipe import Recipe, quantize
     from eqjax.recipes import get_recipe
-    from eqjax.rules import Rule
-    from eqjax.search import Candidate
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)
+    template = read_metadata(default_model_path()).get("tokenizer.chat_template")
     cal_ids, eval_ids = wikipedia_tokens(tok)
     windows = token_windows(eval_ids, args.eval_len, args.eval_windows)
     cal = calibration_windows(cal_ids, args.calib_windows, 256, 0)
-    prefill = token_windows(eval_ids, args.prefill, 1)
+    prompt = token_windows(eval_ids, args.prefill, 1)
     only = set(args.only.split(",")) if args.only else None
-    tmp = Path(tempfile.mkdtemp(prefix="eqjax_onnx_"))
+    tmp = Path(tempfile.mkdtemp(prefix="eqjax_onnx_bench_"))
+    rows: list[dict] = []
 
-    def w4_params():
-        rules = []
-        for path, leaf in _kernels(params):
-            spec = Candidate(4, 128).spec(int(leaf.shape[0]))
-            rules.append(Rule(_re(path), spec))
-        return quantize(params, Recipe("w4", (RTN(tuple(rules)),)))
+    def want(name: str) -> bool:
+        return only is None or name in only
 
-    variants = {
-        "fp32": ("fp", lambda: params),
-        "w8a8-sq": ("w8a8-smoothquant", lambda: quantize(params, get_recipe("w8a8-smoothquant"), model=model,
-                                                          calibration=cal)),
-        "w4": ("w4 asym g128 (g64 on 576-wide inputs), RTN", w4_params),
-        "w8": ("w8 (per-channel symmetric, weight-only)", lambda: quantize(params, get_recipe("w8"), model=model)),
-    }
-    results: list[dict] = []
-    fp_path = None
-    for name, (desc, make) in variants.items():
-        if only and name not in only and not (name == "fp32" and "ort-dynamic" in only):
-            continue
+    def log(row: dict) -> None:
+        rows.append(row)
+        print(f"[onnx] {json.dumps(row)}", flush=True)
+
+    def ours(name: str, desc: str, qp, levels) -> None:
+        jx = eqjax_ppl(model, qp, windows, batch_size=1).ppl
+        for level, suffix in levels:
+            d = tmp / f"{name}{suffix}"
+            t0 = time.perf_counter()
+            man = export_package(model, qp, d, tokenizer=tok, chat_template=template, accuracy_level=level,
+                                 context_length=2048, recipe=name, check=level == 0)
+            row = {"variant": name + suffix, "description": desc, "accuracy_level": level,
+                   "export_s": time.perf_counter() - t0, "fused": man["fused"], "ppl_eqjax": jx,
+                   **measure(d, windows, prompt, args, genai=True)}
+            row["ppl_rel_diff"] = row["ppl_onnxruntime"] / jx - 1
+            log(row)
+            if name != "eqjax-fp32":
+                shutil.rmtree(d)
+
+    if want("eqjax-int4-gptq"):
         t0 = time.perf_counter()
-        qp = make()
-        path = export_onnx(model, qp, tmp / f"{name}.onnx", decode=True)
-        export_s = time.perf_counter() - t0
-        if name == "fp32":
-            fp_path = path
-        print(f"[onnx] exported {name} in {export_s:.0f}s ({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
-        jx = perplexity(model, qp, windows, batch_size=1).ppl
-        settings = [0, 4] if name == "w8" else [0]
-        for lvl in settings:
-            sess = make_session(path, threads=args.threads, qdq_accuracy_level=lvl)
-            ppl = onnx_perplexity(sess, windows)
-            row = {"variant": name if name != "w8" else f"w8 (qdq level {lvl})", "description": desc,
-                   "qdq_matmulnbits_accuracy_level": lvl, "file_mib": path.stat().st_size / 2**20,
-                   "eqjax_tree_mib": tree_nbytes(qp) / 2**20, "ppl_onnxruntime": ppl, "ppl_eqjax": jx,
-                   "ppl_rel_diff": ppl / jx - 1, **time_session(sess, prefill, args.reps, args.decode_tokens)}
-            results.append(row)
-            print(f"[onnx] {row}", flush=True)
-            del sess
+        recipe = Recipe("w4g128-gptq+emb-int4", (GPTQ(bits=4), embedding_step("int4")))
+        qp = quantize(params, recipe, model=model, calibration=cal, seed=0)
+        print(f"[onnx] GPTQ + embedding in {time.perf_counter() - t0:.0f}s", flush=True)
+        ours("eqjax-int4-gptq", "GPTQ W4 asym g128 act-order + embedding/tied head int4 g32 asym (RTN)", qp,
+             [(4, " (level 4)"), (0, " (level 0)")])
         del qp
-        if name != "fp32":
-            path.unlink()
-    if fp_path is not None and (not only or "ort-dynamic" in only):
-        qpath = tmp / "ort_dynamic.onnx"
-        t0 = time.perf_counter()
-        quantize_dynamic(str(fp_path), str(qpath), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
-        print(f"[onnx] quantize_dynamic in {time.perf_counter() - t0:.0f}s", flush=True)
-        sess = make_session(qpath, threads=args.threads, qdq_accuracy_level=0)
-        row = {"variant": "ort-dynamic", "description": "onnxruntime quantize_dynamic(QInt8 weights per tensor, "
-               "uint8 per-tensor dynamic activations, MatMul only) of our fp32 export",
-               "qdq_matmulnbits_accuracy_level": 0, "file_mib": qpath.stat().st_size / 2**20,
-               "ppl_onnxruntime": onnx_perplexity(sess, windows), "ppl_eqjax": None,
-               **time_session(sess, prefill, args.reps, args.decode_tokens)}
-        results.append(row)
-        print(f"[onnx] {row}", flush=True)
+    if want("eqjax-w8a8"):
+        qp = quantize(params, get_recipe("w8a8-smoothquant"), model=model, calibration=cal, seed=0)
+        ours("eqjax-w8a8", "SmoothQuant alpha 0.85, W8 per channel + A8 per token (MatMulInteger u8 x u8)", qp, [(0, "")])
+        del qp
+    if want("eqjax-fp32") or want("ort-dynamic"):
+        ours("eqjax-fp32", "float32", params, [(0, "")])
+    if want("ort-dynamic"):
+        d = tmp / "ort-dynamic"
+        shutil.copytree(tmp / "eqjax-fp32", d, ignore=shutil.ignore_patterns("model.onnx*"))
+        quantize_dynamic(str(tmp / "eqjax-fp32" / "model.onnx"), str(d / "model.onnx"), weight_type=QuantType.QInt8,
+                         op_types_to_quantize=["MatMul"], use_external_data_format=True)
+        log({"variant": "ort-dynamic", "description": "onnxruntime quantize_dynamic(QInt8 weights, MatMul) of eqjax-fp32",
+             **measure(d, windows, prompt, args, genai=True)})
+    if want("genai-int4") or want("genai-int4-kquant"):
+        py = ensure_genai_venv(Path(args.genai_venv))
+        hf = tmp / "hf"
+        save_hf_checkpoint(hf, model, params, extra_config={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
+        from eqjax.export.package import tokenizer_files
+
+        for name, text in tokenizer_files(tok, chat_template=template, context_length=2048).items():
+            (hf / name).write_text(text)
+        for name, extra in (("genai-int4", []), ("genai-int4-kquant", ["--extra_options", "int4_algo_config=k_quant"])):
+            if not want(name):
+                continue
+            d = tmp / name
+            secs = run_builder(py, hf, d, extra)
+            log({"variant": name, "description": f"onnxruntime-genai builder -p int4 -e cpu {' '.join(extra)}".strip(),
+                 "export_s": secs, **measure(d, windows, prompt, args, genai=True)})
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
-                    "onnxruntime": ort.__version__, "jax": jax.__version__},
+        "machine": {"platform": platform.platform(), "cpu": _cpu(), "cpus": os.cpu_count(), "threads": args.threads,
+                    "load_before": os.getloadavg(), "onnxruntime": ort.__version__,
+                    "onnxruntime_genai": og.__version__, "jax": jax.__version__},
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32)",
-        "eval": {"text": "Wikipedia evaluation half (eqjax.data)", "windows": args.eval_windows, "ctx": args.eval_len,
-                 "note": "small slice to keep the run to minutes; ppl differs from the full-split figure"},
-        "latency": {"prefill_tokens": args.prefill, "batch": 1, "reps": args.reps, "decode_tokens": args.decode_tokens,
-                    "statistic": "median prefill; decode = mean over the steps"},
-        "results": results,
+        "eval": {"windows": args.eval_windows, "ctx": args.eval_len},
+        "latency": {"prefill_tokens": args.prefill, "reps": args.reps, "decode_tokens": args.decode_tokens},
+        "results": rows,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(_markdown(report))
+    from eqjax.atomic import write_text
+
+    write_text(out.with_suffix(".json"), json.dumps(report, indent=1))
+    write_text(out.with_suffix(".md"), _markdown(report))
     print(f"[onnx] wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def _kernels(params):
-    from eqjax.pytree import flatten
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
-    for path, leaf in flatten(params):
-        if path.endswith("/kernel"):
-            yield path, leaf
 
-
-def _re(path):
-    import re
-
-    return re.escape(path)
+def _f(x, fmt):
+    return "-" if x is None else format(x, fmt)
 
 
 def _markdown(r) -> str:
+    m = r["machine"]
     lines = [
-        "# onnxruntime CPU: SmolLM2-135M exports",
-        "",
-        f"{r['date']}, {r['machine']['platform']}, {r['machine']['threads']} threads (intra-op), "
-        f"onnxruntime {r['machine']['onnxruntime']}. Eval: {r['eval']['windows']} x {r['eval']['ctx']} tokens of "
-        f"the Wikipedia evaluation half ({r['eval']['note']}). Prefill: {r['latency']['prefill_tokens']} tokens, "
-        f"batch 1, median of {r['latency']['reps']}; decode: {r['latency']['decode_tokens']} greedy steps after "
-        "the prefill, through the past/present KV inputs/outputs.",
-        "",
-        "| variant | qdq accuracy level | file MiB | ppl (ORT) | ppl (eqjax) | rel. diff | prefill ms | prefill tok/s | decode tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "# Edge packages: SmolLM2-135M in onnxruntime (CPU)", "",
+        f"{r['date']}, {m['cpu']}, {m['threads']} threads, load average before the run {m['load_before'][0]:.1f} "
+        f"(shared machine), onnxruntime {m['onnxruntime']}, onnxruntime-genai {m['onnxruntime_genai']}. "
+        f"Perplexity on {r['eval']['windows']} x {r['eval']['ctx']} tokens of the Wikipedia evaluation half; prefill "
+        f"{r['latency']['prefill_tokens']} tokens (median of {r['latency']['reps']}); decode: "
+        f"{r['latency']['decode_tokens']} greedy tokens after that prefill.", "",
+        "| variant | file MiB | ppl (onnxruntime) | ppl (eqjax) | diff | prefill ms | decode tok/s (plain loop) | "
+        "decode tok/s (genai Generator) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for x in r["results"]:
-        jx = "-" if x.get("ppl_eqjax") is None else f"{x['ppl_eqjax']:.3f}"
-        rd = "-" if x.get("ppl_eqjax") is None else f"{100 * x['ppl_rel_diff']:+.3f} %"
-        lines.append(
-            f"| {x['variant']} | {x['qdq_matmulnbits_accuracy_level']} | {x['file_mib']:.0f} | {x['ppl_onnxruntime']:.3f} | "
-            f"{jx} | {rd} | {x['prefill_ms']:.0f} | {x['prefill_tokens_per_s']:.0f} | "
-            f"{x.get('decode_tokens_per_s', float('nan')):.1f} |")
-    lines += ["", "Variants: see the docstring of bench/onnx.py. The qdq accuracy level is the session option "
-              "`session.qdq_matmulnbits_accuracy_level` (0 = float activations; 4 = onnxruntime's default, int8 "
-              "activations in the DequantizeLinear->MatMul rewrite); it only affects graphs with DequantizeLinear.", ""]
+        rd = "-" if x.get("ppl_eqjax") is None else f"{100 * x['ppl_rel_diff']:+.2f} %"
+        lines.append(f"| {x['variant']} | {x['file_mib']:.1f} | {x['ppl_onnxruntime']:.3f} | {_f(x.get('ppl_eqjax'), '.3f')} | "
+                     f"{rd} | {x['prefill_ms']:.0f} | {_f(x.get('decode_tok_s_plain'), '.1f')} | "
+                     f"{_f(x.get('decode_tok_s_generator'), '.1f')} |")
+    lines += ["", "Rows: see the docstring of bench/onnx.py. Timings on a shared 2-core machine are noisy; all rows "
+              "come from the same run.", ""]
     return "\n".join(lines)
 
 

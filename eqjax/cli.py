@@ -119,11 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_search(p)
         _add_overwrite(p, "the result files in --out")
     _add_debug(p)
-    p = sub.add_parser("export-onnx", help="export a quantized model to ONNX (checked in onnxruntime)")
+    p = sub.add_parser("export-onnx", help="export a quantized model as an onnxruntime-genai package directory")
     add_export = _optional("eqjax.export.onnx", "add_export_args")
     if add_export:
         add_export(p)
-        _add_overwrite(p, "the .onnx file")
+        _add_overwrite(p, "the package directory")
     _add_debug(p)
     return parser
 
@@ -407,25 +407,21 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from eqjax.atomic import check_output_file
-    from eqjax.recipes import get_recipe
+    from eqjax.atomic import check_output_dir
 
     export_main = _optional("eqjax.export.onnx", "export_main")
-    if export_main is None:
+    recipe_for_export = _optional("eqjax.export.onnx", "recipe_for_export")
+    if export_main is None or recipe_for_export is None:
         return _not_built("export-onnx")(args)
     _check_model_path(getattr(args, "model", None), gguf_only=True)
-    _check_int("--seq-len", getattr(args, "seq_len", None), 1, "sequence length")
+    _check_int("--context-length", getattr(args, "context_length", None), 2, "context length")
     _check_int("--calib-windows", getattr(args, "calib_windows", None), 1, "number of calibration windows")
     _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
-    recipe = get_recipe(args.recipe)
-    if recipe.kv is not None:
-        raise InputError(
-            f"recipe not exportable (--recipe {args.recipe}): expected a recipe without KV-cache quantization, found "
-            f"kv = K{recipe.kv.key_bits}V{recipe.kv.value_bits} (the ONNX graph keeps a float KV cache)"
-        )
-    if not str(args.out).endswith(".onnx"):
-        raise InputError(f"bad output name (--out {args.out}): expected a path ending in .onnx, found {pathlib.Path(args.out).suffix or 'no suffix'!r}")
-    check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="ONNX file (--out)")
+    if str(args.out).endswith(".onnx"):
+        raise InputError(f"bad output name (--out {args.out}): expected a package directory, found a .onnx file name "
+                         "(the export writes model.onnx, genai_config.json and the tokenizer into a directory)")
+    recipe_for_export(args.recipe, getattr(args, "embedding", "recipe"))  # unknown / unexportable recipes: before work
+    check_output_dir(args.out, overwrite=getattr(args, "overwrite", False), what="package directory (--out)")
     return int(export_main(args) or 0)
 
 

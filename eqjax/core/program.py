@@ -253,7 +253,9 @@ def trace(fn: Callable[..., Any], params: Any, args: Sequence[Any] = (), kwargs:
     paths, p_leaves, p_tree = flatten_with_paths(params)
     p_avals = [float_aval(x, p) for p, x in zip(paths, p_leaves)]
     leaves, dyn, static, a_tree = _split_static((tuple(args), kwargs))
-    a_avals = [jax.ShapeDtypeStruct(np.shape(leaves[i]), jax.numpy.result_type(leaves[i])) for i in dyn]
+    # a ShapeDtypeStruct argument may carry symbolic dimensions (jax.export.symbolic_shape): kept as is
+    a_avals = [leaves[i] if isinstance(leaves[i], jax.ShapeDtypeStruct)
+               else jax.ShapeDtypeStruct(np.shape(leaves[i]), jax.numpy.result_type(leaves[i])) for i in dyn]
     out_tree_box: list[Any] = []
 
     def flat(p_flat: list[Any], a_flat: list[Any]) -> list[Any]:

@@ -32,7 +32,7 @@ class LayerCache:
 
     @property
     def max_len(self) -> int:
-        return int(self.k.shape[2])
+        return self.k.shape[2]  # an int, or a symbolic dimension under shape-polymorphic tracing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return int(self.k.shape[3])
+        return self.k.shape[3]  # an int, or a symbolic dimension under shape-polymorphic tracing
 
     def layer(self, i: int) -> LayerCache:
         """Layer ``i``'s view."""

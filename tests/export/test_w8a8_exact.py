@@ -145,7 +145,7 @@ def test_exported_graphs_use_u8_x_u8_only():
 
     params = run_recipe(model.init_params(jax.random.key(0), std=0.1), Recipe("w8a8", (RTN((weight_rule(8, act_bits=8),)),)),
                         model=model)
-    _assert_u8_u8(build_model(model, params, decode=True))
+    _assert_u8_u8(build_model(model, params))
 
 
 # ------------------------------------------------------------------ numpy model of the MLAS kernels

@@ -660,7 +660,9 @@ def _kill_checkpoint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
 
 
 def _kill_onnx(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    target = work / "model.onnx"
+    pkg = work / "pkg"
+    pkg.mkdir()
+    target = pkg / "model.onnx"
     old = b"previous onnx file" * 100
     target.write_bytes(old)
     p = _child("""
@@ -674,18 +676,19 @@ def _kill_onnx(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
                     if i == 0: print("writing", flush=True)
                     time.sleep(0.05)
         onnx.save_model = slow_save
-        from eqjax.io import load_model
-        from eqjax.export.onnx import export_onnx
-        model, params, _ = load_model(sys.argv[2])
-        export_onnx(model, params, sys.argv[1])
-    """, str(target), str(fx.root / "tiny"))
+        from eqjax.io.gguf import load_gguf
+        from eqjax.models import Model
+        from eqjax.export.package import export_package
+        cfg, params, tok = load_gguf(sys.argv[2])
+        export_package(Model(cfg), params, sys.argv[1], tokenizer=tok, overwrite=True, check=False)
+    """, str(pkg), str(fx.root / "tiny.gguf"))
     if not _wait_line(p, "writing"):
         _kill(p)
         return f"the export did not start: {p.stderr.read()[-300:]}"
     time.sleep(0.2)
     _kill(p)
     if target.read_bytes() != old:
-        return "loss: the previous ONNX file was damaged by a killed export"
+        return "loss: the previous ONNX package was damaged by a killed export"
     return None
 
 
@@ -757,10 +760,16 @@ def _kill_json_report(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
     return None
 
 
+def _existing_package(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
+    (work / "pkg").mkdir()
+    (work / "pkg" / "model.onnx").write_bytes(b"old onnx")
+    return {"o": str(work / "pkg"), "f": str(work / "pkg" / "model.onnx")}
+
+
 def _onnx_ok(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Result) -> str | None:
     import onnx
 
-    m = onnx.load_model(v["o"])
+    m = onnx.load_model(str(pathlib.Path(v["o"]) / "model.onnx"))
     onnx.checker.check_model(m)
     return None if m.graph.node else "empty graph"
 
@@ -957,18 +966,18 @@ def catalogue() -> list[Case]:
                                                         "--eval-tokens", "64", "--recipes", "fp,fp", "--out", "{o}"],
              cause=r"listed twice", setup=lambda fx, w: {"o": str(w / "o")}))
     add(Case("export-onnx: --recipe kv4", T, argv=["export-onnx", "--model", "{gguf}", "--recipe", "kv4", "--out", "{o}"],
-             cause=r"kv4.*KV", setup=lambda fx, w: {"o": str(w / "m.onnx")},
+             cause=r"kv4.*KV", setup=lambda fx, w: {"o": str(w / "pkg")},
              check=lambda fx, w, v, r: "a float graph was written" if pathlib.Path(v["o"]).exists() else None))
     add(Case("export-onnx: unwritable output", T, argv=["export-onnx", "--model", "{gguf}", "--recipe", "w8", "--out",
-                                                          "/sys/eqjax.onnx"], cause=r"/sys/eqjax\.onnx.*writable"))
+                                                          "/sys/eqjax_pkg"], cause=r"/sys/eqjax_pkg.*writable"))
     add(Case("export-onnx: output exists, no --overwrite", T, argv=["export-onnx", "--model", "{gguf}", "--recipe", "w8",
-                                                                     "--out", "{o}"], cause=r"exists.*--overwrite",
-             setup=_existing("o", "m.onnx", b"old onnx"), check=_unchanged("o", b"old onnx")))
+                                                                     "--out", "{o}"], cause=r"not empty.*--overwrite",
+             setup=_existing_package, check=_unchanged("f", b"old onnx")))
     add(Case("export-onnx: HF directory as the model", T, argv=["export-onnx", "--model", "{tiny}", "--recipe", "w8",
                                                                  "--out", "{o}"], cause=r"\.gguf",
-             setup=lambda fx, w: {"o": str(w / "m.onnx")}))
+             setup=lambda fx, w: {"o": str(w / "pkg")}))
     add(Case("export-onnx: tiny GGUF, w8", T, expect="ok", argv=["export-onnx", "--model", "{gguf}", "--recipe", "w8",
-                                                                  "--out", "{o}"], setup=lambda fx, w: {"o": str(w / "m.onnx")},
+                                                                  "--out", "{o}"], setup=lambda fx, w: {"o": str(w / "pkg")},
              check=_onnx_ok))
 
     T = "checkpoint"

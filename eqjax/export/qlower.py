@@ -1,0 +1,272 @@
+"""eqjax's quantized params at their uses, as onnxruntime operators.
+
+Every quantized param is first brought to its *canonical blocked form* for one use
+(:func:`blocked`): unsigned codes ``[N, K]`` (``N`` = the use's output channels, ``K`` = its
+contracted axes flattened, as :func:`eqjax.core.analysis.weight_matrix`), and one scale / zero point
+per ``[1, block]`` run along ``K``. The block is the group size when groups run along ``K``, else the
+largest power of two in 16..256 dividing ``K`` (per-channel and per-tensor scales repeat per block: the
+same numbers), else one zero-padded power-of-two block. That every scale really is constant per block
+is *checked* on the numbers, so an exported weight is exactly eqjax's or the export fails naming it.
+
+=====================================  =================================================================
+weight-only, 2 / 4 / 8 bits            ``com.microsoft.MatMulNBits``: B ``[N, K/bs, bs*bits/8]`` packed
+                                       along K (low bits first), scales float32 ``[N, K/bs]``, zero points
+                                       packed ``[N, ceil(K/bs*bits/8)]`` (omitted when they all equal the
+                                       op's default ``2**(bits-1)``: eqjax's symmetric grids);
+                                       ``accuracy_level`` from the target (:mod:`eqjax.export.package`)
+weight-only, 5..7 bits                 ``DequantizeLinear`` (canonical ``[K, N]``, per-axis or blocked)
+                                       -> ``MatMul``
+ActQuantKernel (W8A8)                  per-token int8 activations built from ``ReduceMax(Abs)``, ``Round``,
+                                       ``Clip`` as :func:`eqjax.linear.quantize_activations`, then
+                                       ``MatMulInteger`` with *both* operands uint8 (``q + 128``,
+                                       ``w + 128``, zero points 128): exact on every x86 CPU (u8 x s8
+                                       saturates int16 pair sums without VNNI; u8 x u8 widens to 16 bits)
+embedding gather, 2 / 4 / 8 bits       ``com.microsoft.GatherBlockQuantized`` (gather_axis 0,
+                                       quantize_axis 1) on the *same* initializer as the tied LM head's
+                                       MatMulNBits (reshaped), so a tied table is stored once
+=====================================  =================================================================
+
+3-bit weights have no onnxruntime kernel: :func:`check_exportable` refuses them before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
+from eqjax.numerics import codes, expand_scale, integer_values
+from eqjax.qarray import ActQuantKernel, QArray
+
+__all__ = ["Blocked", "blocked", "check_exportable", "emit_matmul", "emit_gather", "W8A8_ZERO_POINT",
+           "w8a8_weight_codes", "NBITS"]
+
+NBITS = (2, 4, 8)
+W8A8_ZERO_POINT = 128
+"""Zero point of both uint8 ``MatMulInteger`` operands of the W8A8 lowering (codes are ``q + 128``)."""
+
+
+def check_exportable(path: str, leaf: Any) -> str:
+    """The lowering of a quantized leaf (``"nbits" | "dq" | "w8a8"``), or :class:`ExportError` naming it."""
+    if isinstance(leaf, ActQuantKernel):
+        w = leaf.weight
+        if not w.symmetric:
+            raise ExportError(f"{path}: W8A8 with an asymmetric int{w.bits} weight (zero point) cannot be exported: "
+                              "the MatMulInteger lowering needs symmetric weights (use a symmetric recipe)")
+        if w.bits > 8 or leaf.act_bits > 8:
+            raise ExportError(f"{path}: more than 8-bit weights or activations do not fit MatMulInteger")
+        return "w8a8"
+    if not isinstance(leaf, QArray):
+        return "float"
+    if leaf.bits == 3:
+        raise ExportError(f"{path}: 3-bit weights cannot be exported to ONNX (no 3-bit MatMulNBits / "
+                          "DequantizeLinear kernel in onnxruntime); use 2, 4 or 8 bits")
+    return "nbits" if leaf.bits in NBITS else "dq"
+
+
+def _pack(c: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned codes along the last axis, first code in the lowest bits (8 bits: unchanged)."""
+    if bits == 8:
+        return c.astype(np.uint8)
+    n = 8 // bits
+    pad = (-c.shape[-1]) % n
+    if pad:
+        c = np.concatenate([c, np.zeros(c.shape[:-1] + (pad,), c.dtype)], axis=-1)
+    c = c.reshape(c.shape[:-1] + (-1, n)).astype(np.uint32)
+    return np.sum(c << (np.arange(n, dtype=np.uint32) * bits), axis=-1).astype(np.uint8)
+
+
+def _matrix(a: np.ndarray, contracting: tuple[int, ...], free: tuple[int, ...], index: tuple = ()) -> np.ndarray:
+    """A param-layout array as ``[N, K]`` for a use (stacked-param slices taken)."""
+    for axis, i in index:
+        a = np.take(a, [i], axis=axis)
+    rest = tuple(x for x in range(a.ndim) if x not in contracting + free)
+    K = int(np.prod([a.shape[x] for x in contracting], dtype=np.int64))
+    N = int(np.prod([a.shape[x] for x in free], dtype=np.int64))
+    return np.transpose(a, free + contracting + rest).reshape(N, K)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """A quantized matrix in MatMulNBits form.
+
+    Attributes:
+      codes: unsigned codes ``[N, nb * block]`` (the padding holds the zero point).
+      scales: float32 ``[N, nb]``; zero_points: int ``[N, nb]``; bits; block; K (unpadded), N.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray
+    bits: int
+    block: int
+    K: int
+    N: int
+
+    @property
+    def nb(self) -> int:
+        return self.scales.shape[1]
+
+    @property
+    def default_zero_point(self) -> bool:
+        return bool(np.all(self.zero_points == 2 ** (self.bits - 1)))
+
+
+def _block_size(q: QArray, contracting: tuple[int, ...], shape: tuple[int, ...], K: int) -> int:
+    g = q.granularity
+    if g.kind == "group" and g.axes[0] in contracting:
+        G = g.group_size
+        inner_ok = g.axes[0] == max(contracting) and (len(contracting) == 1 or shape[g.axes[0]] % G == 0)
+        if not inner_ok or G < 16 or G & (G - 1):
+            return 0
+        # a short last group (576 = 4 x 128 + 64): blocks of gcd(G, K) hold the same numbers without padding
+        # the codes (smaller, and int8-activation blocks stay aligned with the groups)
+        common = np.gcd(G, K) & -np.gcd(G, K)  # the largest power of two dividing both
+        return int(common) if common >= 16 else G
+    for bs in (256, 128, 64, 32, 16):
+        if K % bs == 0:
+            return bs
+    return max(16, 1 << (K - 1).bit_length())
+
+
+def blocked(q: QArray, contracting: tuple[int, ...], free: tuple[int, ...], index: tuple = (), *,
+            path: str = "weight") -> Blocked:
+    """The canonical blocked form of ``q`` for a use with these param axes (see the module docs)."""
+    c = np.asarray(codes(q)).astype(np.int32)
+    iv = np.asarray(integer_values(q)).astype(np.int32)
+    zp = c - iv
+    if q.symmetric and not q.packed:  # int8-style signed codes: shift to unsigned, zero point 2**(b-1)
+        c, zp = c + 2 ** (q.bits - 1), np.full_like(c, 2 ** (q.bits - 1))
+    s = np.asarray(expand_scale(q)).astype(np.float32)
+    cm, zm, sm = (_matrix(a, contracting, free, index) for a in (c, zp, s))
+    N, K = cm.shape
+    bs = _block_size(q, contracting, q.shape, K)
+    if bs == 0:
+        raise ExportError(f"{path}: group size {q.granularity.group_size} along {q.granularity} cannot be laid out "
+                          "as MatMulNBits blocks (needs a power of two >= 16 along the last input axis)")
+    nb = -(-K // bs)
+    pad = nb * bs - K
+    if pad:
+        cm = np.concatenate([cm, zm[:, -1:].repeat(pad, 1)], axis=1)
+        zm = np.concatenate([zm, zm[:, -1:].repeat(pad, 1)], axis=1)
+        sm = np.concatenate([sm, sm[:, -1:].repeat(pad, 1)], axis=1)
+    s3, z3 = sm.reshape(N, nb, bs), zm.reshape(N, nb, bs)
+    if not (np.all(s3 == s3[:, :, :1]) and np.all(z3 == z3[:, :, :1])):
+        raise ExportError(f"{path}: its scales ({q.granularity}) are not constant over blocks of {bs} along the input; "
+                          "MatMulNBits cannot represent it")
+    return Blocked(cm.astype(np.uint8), s3[:, :, 0].copy(), z3[:, :, 0].copy(), q.bits, bs, K, N)
+
+
+def _nbits_inputs(g: Graph, b: Blocked, key: Any, hint: str) -> list[str]:
+    """[B, scales, (zero points)] initializer names, shared per ``key``."""
+    def make() -> list[str]:
+        blob = b.block * b.bits // 8
+        B = _pack(b.codes.reshape(b.N, b.nb, b.block), b.bits).reshape(b.N, b.nb, blob)
+        ins = [g.init(hint + ".qweight", B), g.init(hint + ".scales", b.scales.astype(np.float32))]
+        if not b.default_zero_point:
+            ins.append(g.init(hint + ".qzeros", _pack(b.zero_points.astype(np.uint8), b.bits)))
+        return ins
+    return g.memo(("nbits", key), make)
+
+
+def emit_matmul(g: Graph, x: str, leaf: Any, use: Any, *, hint: str, accuracy_level: int | None,
+                key: Any = None) -> str:
+    """``x [..., K]`` (K in the canonical order) times the quantized ``leaf`` at ``use``: ``[..., N]``."""
+    kind = check_exportable(use.path, leaf)
+    key = key if key is not None else (use.path, use.contracting, use.free, use.index)
+    if kind == "w8a8":
+        return _emit_w8a8(g, x, leaf, use, hint)
+    b = blocked(leaf, use.contracting, use.free, use.index, path=use.path)
+    if kind == "dq":
+        return _emit_dq(g, x, b, hint)
+    attrs: dict[str, Any] = {"K": b.K, "N": b.N, "bits": b.bits, "block_size": b.block}
+    if accuracy_level is not None:
+        attrs["accuracy_level"] = int(accuracy_level)
+    return g.op("MatMulNBits", [x] + _nbits_inputs(g, b, key, hint), domain=MS_DOMAIN, hint=hint, **attrs)
+
+
+def emit_gather(g: Graph, ids: str, leaf: QArray, contracting: tuple[int, ...], free: tuple[int, ...], *,
+                hint: str, key: Any) -> str:
+    """Rows ``leaf[ids]`` of a quantized table (rows = ``free``, features = ``contracting``): ``[..., K]``."""
+    if check_exportable(hint, leaf) != "nbits":
+        raise ExportError(f"{hint}: a {leaf.bits}-bit embedding table cannot be gathered quantized (2, 4 or 8 bits)")
+    b = blocked(leaf, contracting, free, path=hint)
+    ins = _nbits_inputs(g, b, key, hint)
+    width = b.nb * b.block * b.bits // 8
+    data = g.memo(("gbq-data", key), lambda: g.op("Reshape", [ins[0], g.const([b.N, width], np.int64)], hint=hint + ".rows"))
+    args = [data, ids, ins[1]] + ([ins[2]] if len(ins) > 2 else [])
+    y = g.op("GatherBlockQuantized", args, domain=MS_DOMAIN, bits=b.bits, block_size=b.block, gather_axis=0,
+             quantize_axis=1, hint=hint)
+    if b.nb * b.block != b.K:  # a zero-padded last block: drop the padding columns
+        y = g.op("Slice", [y, g.const([0], np.int64), g.const([b.K], np.int64), g.const([-1], np.int64)])
+    return y
+
+
+def _emit_dq(g: Graph, x: str, b: Blocked, hint: str) -> str:
+    """5..7-bit weights: DequantizeLinear of the canonical ``[K, N]`` codes (blocked along K) -> MatMul."""
+    Kp = b.nb * b.block
+    def make() -> str:
+        codes_kn = np.ascontiguousarray(b.codes.T)  # [Kp, N]
+        ins = [g.init(hint + ".qweight", codes_kn.astype(np.uint8)), g.init(hint + ".scales", b.scales.T.copy()),
+               g.init(hint + ".qzeros", b.zero_points.T.astype(np.uint8).copy())]
+        w = g.op("DequantizeLinear", ins, axis=0, block_size=b.block, hint=hint + ".w")
+        if Kp != b.K:
+            w = g.op("Slice", [w, g.const([0], np.int64), g.const([b.K], np.int64), g.const([0], np.int64)])
+        return w
+    return g.op("MatMul", [x, g.memo(("dq", hint), make)], hint=hint)
+
+
+def w8a8_weight_codes(w: QArray, contracting: tuple[int, ...] = (0,), free: tuple[int, ...] = (1,)) -> np.ndarray:
+    """uint8 ``[K, N]`` weight operand of the W8A8 ``MatMulInteger``: ``integer_values(w) + 128``."""
+    iv = _matrix(np.asarray(integer_values(w)).astype(np.int32), contracting, free).T
+    if iv.size and (iv.min() < -127 or iv.max() > 127):
+        raise ExportError(f"W8A8 weight integers {iv.min()}..{iv.max()} do not fit int8 [-127, 127]")
+    return (iv + W8A8_ZERO_POINT).astype(np.uint8)
+
+
+def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
+    w = k.weight
+    if use.index or use.batch:
+        raise ExportError(f"{use.path}: W8A8 needs a weight used without batch or stacked axes")
+    K, N = use.k, use.n
+    gran = w.granularity
+    grouped = gran.kind == "group" and gran.axes[0] in use.contracting
+    if grouped and (len(use.contracting) != 1 or K % gran.group_size):
+        raise ExportError(f"{use.path}: W8A8 group size {gran.group_size} must divide the input width {K} "
+                          "(a short last group) and run along a single input axis")
+    if gran.kind == "group" and not grouped or gran.kind == "channel" and any(a not in use.free for a in gran.axes):
+        raise ExportError(f"{use.path}: W8A8 needs per-output-channel, per-tensor or input-group weight scales, got {gran}")
+    qmax = float(2 ** (k.act_bits - 1) - 1)
+    lead = g.op("Slice", [g.op("Shape", [x]), g.const([0], np.int64), g.const([-1], np.int64)])
+    out_shape = g.op("Concat", [lead, g.const([N], np.int64)], axis=0)
+    x2 = g.op("Reshape", [x, g.const([-1, K], np.int64)], hint=hint + ".x2")
+    if k.act_scale is not None:
+        s = g.const(np.asarray(k.act_scale, np.float32).reshape(-1)[:1].reshape(1, 1))
+    else:
+        ax = g.op("Abs", [x2])
+        amax = (g.op("ReduceMax", [ax, g.const([1], np.int64)], keepdims=1) if k.act_granularity == "token"
+                else g.op("ReduceMax", [ax], keepdims=1))
+        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
+                 hint=hint + ".sx")
+    r = g.op("Round", [g.op("Div", [x2, s])])
+    # both operands uint8, zero points 128: the integers of eqjax's int8 x int8 product, and u8 x u8 never
+    # saturates in MLAS (u8 x s8 does on x86 without VNNI: vpmaddubsw int16 pair sums)
+    qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
+              to=2, hint=hint + ".qx")  # 2 = UINT8
+    zp = g.const(W8A8_ZERO_POINT, np.uint8)
+    wq = w8a8_weight_codes(w, use.contracting, use.free)
+    ws = _matrix(np.asarray(expand_scale(w)), use.contracting, use.free).T  # [K, N] per-element scales
+    if grouped:
+        G = gran.group_size
+        ng = K // G
+        q3 = g.op("Transpose", [g.op("Reshape", [qx, g.const([-1, ng, G], np.int64)])], perm=[1, 0, 2])
+        acc = g.op("MatMulInteger", [q3, g.init(hint + ".wq", wq.reshape(ng, G, N)), zp, zp])  # [ng, M, N]
+        y = g.op("Mul", [g.op("Cast", [acc], to=1), g.init(hint + ".ws", ws[::G].reshape(ng, 1, N).astype(np.float32))])
+        y = g.op("ReduceSum", [y, g.const([0], np.int64)], keepdims=0)
+    else:
+        acc = g.op("MatMulInteger", [qx, g.init(hint + ".wq", wq), zp, zp])
+        y = g.op("Mul", [g.op("Cast", [acc], to=1), g.init(hint + ".ws", ws[0].reshape(1, N).astype(np.float32))])
+    y = g.op("Mul", [y, s])
+    return g.op("Reshape", [y, out_shape], hint=hint)

@@ -1,0 +1,87 @@
+"""The edge package in onnxruntime-genai: greedy tokens equal eqjax's, atomic writes, refused recipes.
+
+A tiny Llama (GQA, vocabulary of the 256 byte-level BPE characters, no merges) with random weights; the
+oracle is eqjax's own greedy decoding (``Model.generate``) of the same params.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from eqjax.errors import OutputError
+from eqjax.export.graph import ExportError
+from eqjax.export.onnx import recipe_for_export
+from eqjax.export.package import export_package
+from eqjax.models import LlamaConfig, Model
+from eqjax.recipes import weight_rule
+from eqjax.tokenizer import Tokenizer, bytes_to_unicode
+
+EOS = 255
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = Model(LlamaConfig(vocab=256, hidden=64, intermediate=128, n_layers=2, n_heads=4, n_kv_heads=2))
+    tok = Tokenizer(list(bytes_to_unicode().values()), [], bos_id=0, eos_id=EOS)
+    return model, model.init_params(jax.random.key(3), std=0.1), tok
+
+
+def _w4(model, params):
+    from eqjax.methods.rtn import RTN
+    from eqjax.recipe import Recipe
+    from eqjax.recipe import quantize
+
+    return quantize(params, Recipe("w4g32", (RTN((weight_rule(4, symmetric=False, group=32),)),)), model=model)
+
+
+def _genai_greedy(d, prompt, new):
+    import onnxruntime_genai as og
+
+    model = og.Model(str(d))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens([int(i) for i in prompt])
+    while not gen.is_done():
+        gen.generate_next_token()
+    return np.asarray(gen.get_sequence(0))
+
+
+@pytest.mark.parametrize("quant", ["fp32", "w4g32"])
+def test_genai_generator_greedy_tokens_equal_eqjax(tiny, tmp_path, quant):
+    model, params, tok = tiny
+    qp = params if quant == "fp32" else _w4(model, params)
+    d = tmp_path / "pkg"
+    man = export_package(model, qp, d, tokenizer=tok, target="cpu", context_length=64)
+    assert man["fused"].get("GroupQueryAttention") == 2 and man["check"]["max_rel_diff"] <= man["check"]["tolerance"]
+    cfg = json.loads((d / "genai_config.json").read_text())
+    assert cfg["model"]["eos_token_id"] == EOS and cfg["model"]["decoder"]["num_key_value_heads"] == 2
+    prompt = np.array([0, 72, 101, 108, 108, 111, 32, 119], np.int32)
+    new = 24
+    ref = np.asarray(model.generate(qp, prompt[None], new)[0])
+    got = _genai_greedy(d, prompt, new)
+    # genai stops at EOS (included); eqjax's greedy loop does not
+    assert len(got) == len(ref) or got[-1] == EOS, (got, ref)
+    np.testing.assert_array_equal(got, ref[:len(got)])
+    assert len(got) > len(prompt) + 4  # the comparison covers real decode steps
+
+
+def test_existing_package_kept_without_overwrite(tiny, tmp_path):
+    model, params, tok = tiny
+    d = tmp_path / "pkg"
+    d.mkdir()
+    (d / "model.onnx").write_bytes(b"previous")
+    with pytest.raises(OutputError, match="not empty"):
+        export_package(model, params, d, tokenizer=tok, check=False)
+    assert (d / "model.onnx").read_bytes() == b"previous"
+    export_package(model, params, d, tokenizer=tok, check=False, overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == ["eqjax_export.json", "genai_config.json", "model.onnx",
+                                                   "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit")])
+def test_unrepresentable_recipes_are_refused_before_work(name, match):
+    with pytest.raises(ExportError, match=match):
+        recipe_for_export(name)

@@ -85,3 +85,27 @@ def test_existing_package_kept_without_overwrite(tiny, tmp_path):
 def test_unrepresentable_recipes_are_refused_before_work(name, match):
     with pytest.raises(ExportError, match=match):
         recipe_for_export(name)
+
+
+def test_self_check_with_int8_activations_catches_a_wrong_graph(tiny, tmp_path):
+    """W8A8: the package's self-check passes for the exported params (within eqjax's own one-ulp spread)
+    and fails for a graph whose weights differ from the params eqjax runs."""
+    import jax.numpy as jnp
+
+    from eqjax.export.onnx import build_model
+    from eqjax.export.runtime import check_against_eqjax
+    from eqjax.recipe import quantize
+    from eqjax.recipes import get_recipe
+
+    model, params, _ = tiny
+    toks = np.asarray(jax.random.randint(jax.random.key(3), (4, 16), 0, model.config.vocab), np.int32)
+    qp = quantize(params, get_recipe("w8a8-naive"), model=model, calibration=toks)
+    path = tmp_path / "m.onnx"
+    import onnx
+
+    onnx.save_model(build_model(model, qp), str(path))
+    ok = check_against_eqjax(model, qp, path, accuracy_level=4)
+    assert ok["max_rel_diff"] <= ok["tolerance"] and ok["eqjax_one_ulp_spread"] is not None
+    wrong = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, qp)
+    with pytest.raises(ExportError, match="differ from eqjax's"):
+        check_against_eqjax(model, wrong, path, accuracy_level=4)

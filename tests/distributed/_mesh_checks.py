@@ -3,7 +3,9 @@ subprocess (XLA must see ``--xla_force_host_platform_device_count=4`` before JAX
 
 Prints one JSON line: per recipe, how many quantized leaves differ from the 1-device run and the
 largest absolute difference; the two perplexities; X^T X from the Calibrator on 4 devices
-(``ordered`` and ``collective`` reductions) against a float64 numpy oracle.
+(``ordered`` and ``collective`` reductions) against a float64 numpy oracle. With
+``--model-parallel=M``: also the quantized params on a ``data 4/M x model M`` mesh and the most
+bytes of them any one device holds.
 """
 
 from __future__ import annotations
@@ -61,14 +63,16 @@ def main() -> None:
                 res[name] = leaves(quantize(params, get_recipe(rec), model=model, calibration=cal))
         out[rec] = compare(res["one"], res["four"])
         refs[rec] = res["one"]
-    if "--model-parallel" in sys.argv:  # data 2 x model 2: weights split along their output channels
+    mp = [int(a.split("=")[1]) for a in sys.argv if a.startswith("--model-parallel=")]
+    if mp:  # weights split along their output channels over the model axis
+        out["model_mesh"] = dict(make_mesh(model=mp[0]).shape)
         for rec in recipes:
-            with use_mesh(make_mesh(model=2)):
+            with use_mesh(make_mesh(model=mp[0])):
                 q = quantize(params, get_recipe(rec), model=model, calibration=cal)
             ref = refs[rec]
-            out[f"{rec}@model2"] = compare(ref, leaves(q))
+            out[f"{rec}@model"] = compare(ref, leaves(q))
             per_dev = device_bytes(q)
-            out[f"{rec}@model2:bytes"] = {"total": int(sum(np.asarray(x).nbytes for x in ref.values())),
+            out[f"{rec}@model:bytes"] = {"total": int(sum(np.asarray(x).nbytes for x in ref.values())),
                                           "per_device_max": max(per_dev.values())}
     out["ppl_one"] = perplexity(model, params, ev, batch_size=1, mesh=one).ppl
     out["ppl_four"] = perplexity(model, params, ev, batch_size=1, mesh=four).ppl

@@ -50,3 +50,19 @@ def test_perplexity_bitwise_equal_one_device(checks):
 def test_xtx_matches_float64_oracle(checks, how):
     assert checks["xtx_paths"] > 0
     assert checks["xtx_rel_err"][how] < 1e-5
+
+
+@pytest.mark.slow
+def test_model_parallel_splits_weights_and_matches_one_device():
+    """``data 1 x model 4``: each device holds about a quarter of the quantized weights, same values."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = ["timeout", "-s", "KILL", str(TIMEOUT_S), sys.executable, str(HERE / "_mesh_checks.py"), ",".join(RECIPES),
+           "--model-parallel=4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, f"mesh checks failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["model_mesh"] == {"data": 1, "model": 4}
+    for rec in RECIPES:
+        assert res[f"{rec}@model"]["differ"] == 0 and res[f"{rec}@model"]["max_abs"] == 0.0, res[f"{rec}@model"]
+        b = res[f"{rec}@model:bytes"]
+        assert b["per_device_max"] <= 0.3 * b["total"], b  # a quarter, plus small replicated leaves

@@ -203,6 +203,9 @@ def _check_distributed(args: argparse.Namespace) -> None:
     timeout = as_int(getattr(args, "dist_timeout", None), "--dist-timeout", ("EQJAX_DIST_TIMEOUT",))
     if timeout is not None and timeout < 1:
         raise InputError(f"bad distributed timeout (--dist-timeout): expected seconds >= 1, found {timeout}")
+    mp = getattr(args, "model_parallel", 1)
+    if mp is not None and mp < 1:
+        raise InputError(f"bad model-parallel size (--model-parallel): expected an integer >= 1, found {mp}")
     if n is not None and n < 1:
         raise InputError(f"bad number of processes (--num-processes): expected an integer >= 1, found {n}")
     if pid is not None and pid < 0:
@@ -222,14 +225,55 @@ def _check_distributed(args: argparse.Namespace) -> None:
         raise InputError(f"malformed coordinator address (--coordinator): expected host:port with port 1..65535, found {coord!r}")
 
 
+def _is_multi_process(args: argparse.Namespace) -> bool:
+    """Multi-process flags or variables are given (already checked by :func:`_check_distributed`)."""
+    if not hasattr(args, "num_processes"):
+        return False
+    env = os.environ.get
+    coord = args.coordinator or env("EQJAX_COORDINATOR") or env("JAX_COORDINATOR_ADDRESS")
+    n = args.num_processes if args.num_processes is not None else (env("EQJAX_NUM_PROCESSES") or env("JAX_NUM_PROCESSES"))
+    return bool(coord) or (n not in (None, "") and int(n) > 1)
+
+
 def _maybe_init_distributed(args: argparse.Namespace) -> bool:
+    """Join the job (multi-process flags), set the mesh (``--model-parallel``); True on the writing process."""
     init = _optional("eqjax.distributed", "init_from_args")
     if init is None:
         return True
     init(args)
     import jax
 
+    from eqjax.distributed import describe_mesh, make_mesh, set_default_mesh
+
+    mp = getattr(args, "model_parallel", 1) or 1
+    if mp < 1 or jax.device_count() % mp:
+        raise InputError(f"bad model-parallel size (--model-parallel): expected a divisor of the {jax.device_count()} "
+                         f"devices, found {mp}")
+    mesh = make_mesh(mp)
+    set_default_mesh(mesh)
+    if mesh.size > 1 and jax.process_index() == 0:
+        print(f"mesh: {describe_mesh(mesh)}", flush=True)
     return jax.process_index() == 0
+
+
+def _check_same_job(setup: Any, recipes: list[Any]) -> None:
+    """Multi-process: every process holds the same recipes, weights, windows and settings (else exit 2)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from eqjax.distributed import check_same_job, set_stage
+    from eqjax.experiment import job_fingerprints
+
+    set_stage("checking that every process holds the same job")
+    check_same_job(job_fingerprints(setup, recipes))
+    set_stage("working")
+
+
+def _finish_distributed() -> None:
+    fin = _optional("eqjax.distributed", "finish")
+    if fin is not None:
+        fin()
 
 
 def _preflight_common(args: argparse.Namespace) -> None:
@@ -272,6 +316,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     need_cal = any(r.needs_calibration for r in recipes)
     setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if need_cal else 0, calib_ctx=args.calib_ctx, seed=args.seed)
+    _check_same_job(setup, recipes)
     pr = setup.protocol
     done: list[dict[str, Any]] = []
     if writer:
@@ -282,9 +327,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if args.resume:
                 print(f"nothing to resume in {out}: starting a fresh run", flush=True)
             row_log.start(pr)
-    print(f"model: {pr['model']}\ntext: {pr['text']}\nevaluating {pr['eval_tokens']} tokens "
-          f"({pr['eval_windows']} windows of {pr['ctx']}, {pr['predictions']} predictions) on {len(recipes)} recipes",
-          flush=True)
+    if writer:
+        print(f"model: {pr['model']}\ntext: {pr['text']}\nevaluating {pr['eval_tokens']} tokens "
+              f"({pr['eval_windows']} windows of {pr['ctx']}, {pr['predictions']} predictions) on {len(recipes)} recipes",
+              flush=True)
     try:
         with use_backend(args.backend):
             rows = run_recipes(setup, recipes, batch_size=args.batch_size, row_log=row_log if writer else None,
@@ -297,12 +343,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"eqjax: error: interrupted (Ctrl-C); {kept} finished row(s) kept in {row_log.path}; "
               "rerun the same command with --resume to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print()
-    print(markdown_table(rows, pr))
     if writer:
+        print()
+        print(markdown_table(rows, pr))
         files = write_report(rows, setup, out, args.json)
         print("wrote " + ", ".join(str(p) for p in files.values()) + f" (rows: {row_log.path})")
-    print(f"evaluated {pr['eval_tokens']} tokens per recipe; total {time.perf_counter() - t0:.0f} s")
+        print(f"evaluated {pr['eval_tokens']} tokens per recipe; total {time.perf_counter() - t0:.0f} s")
+    _finish_distributed()
     return 0
 
 
@@ -330,6 +377,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if calibrated else 0,
                     calib_ctx=args.calib_ctx, seed=args.seed)
+    _check_same_job(setup, [recipe])
     qparams = None
     if manifest is not None:
         from eqjax.io.orbax import load_quantized, recipe_kv
@@ -344,9 +392,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     row["protocol"] = setup.protocol
     from eqjax.atomic import dumps_json
 
-    print(dumps_json({k: v for k, v in row.items() if k != "protocol"}, source="result"))
+    if writer:
+        print(dumps_json({k: v for k, v in row.items() if k != "protocol"}, source="result"))
     if args.json and writer:
         write_json(args.json, row)
+    _finish_distributed()
     return 0
 
 
@@ -367,19 +417,23 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     setup = prepare(args.model, args.text, ctx=args.calib_ctx, eval_tokens=args.calib_ctx,
                     calib_windows=args.calib_windows if recipe.needs_calibration else 0,
                     calib_ctx=args.calib_ctx, seed=args.seed, evaluate=False)
+    _check_same_job(setup, [recipe])
     t0 = time.perf_counter()
     q = checked_quantize(setup.params, recipe, model=setup.model,
                          calibration=setup.calib_windows if recipe.needs_calibration else None, seed=args.seed,
-                         progress=True, source=str(setup.protocol["model"]))
-    print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s")
-    if recipe.kv is not None:
-        print(f"note: recipe {recipe.name} quantizes the KV cache at run time; the checkpoint records its KV "
-              "settings ('eqjax eval --checkpoint' applies them)")
-    if not recipe.steps:
-        print(f"note: recipe {recipe.name} has no weight-quantization step: the checkpoint holds float weights")
+                         progress=writer, source=str(setup.protocol["model"]))
     if writer:
-        path = save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)
+        print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s")
+        if recipe.kv is not None:
+            print(f"note: recipe {recipe.name} quantizes the KV cache at run time; the checkpoint records its KV "
+                  "settings ('eqjax eval --checkpoint' applies them)")
+        if not recipe.steps:
+            print(f"note: recipe {recipe.name} has no weight-quantization step: the checkpoint holds float weights")
+    # every process takes part in the save (each writes its own shards; process 0 the manifest)
+    path = save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)
+    if writer:
         print(f"saved {path}")
+    _finish_distributed()
     return 0
 
 
@@ -457,6 +511,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:  # not the main thread
         pass
     try:
+        if hasattr(args, "num_processes"):
+            _check_distributed(args)
+            if _is_multi_process(args) and os.environ.get("EQJAX_SUPERVISED") != "1":
+                from eqjax.distributed.supervise import supervise
+
+                env = os.environ.get
+                pid = args.process_id if args.process_id is not None else env("EQJAX_PROCESS_ID", env("JAX_PROCESS_ID"))
+                n = args.num_processes if args.num_processes is not None else env("EQJAX_NUM_PROCESSES",
+                                                                                  env("JAX_NUM_PROCESSES"))
+                coord = args.coordinator or env("EQJAX_COORDINATOR", env("JAX_COORDINATOR_ADDRESS"))
+                return supervise(list(sys.argv[1:] if argv is None else argv), process_id=pid, num_processes=n,
+                                 coordinator=coord, debug=debug)
         return int(handlers[args.command](args) or 0)
     except SystemExit:
         raise

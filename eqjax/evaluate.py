@@ -4,6 +4,12 @@ Protocol (the same as the reference numbers in ``shared/REFERENCES.md``): the ev
 tokenized whole (no BOS), cut into non-overlapping windows of ``ctx`` tokens; every window is scored
 independently from position 0, so each window gives ``ctx - 1`` predictions; perplexity is
 ``exp(total NLL / total predictions)`` in float64 on the host from float32 per-window sums.
+
+Devices and hosts: the windows are dealt to the mesh's devices (:mod:`eqjax.distributed.mesh`:
+each device scores its own batch of ``batch_size`` windows per step, with the shapes of a
+one-device run, and each process feeds only its devices' windows); the per-window sums are gathered
+and added on the host in window order, so the perplexity is bitwise the same on 1 device, N devices
+and N hosts.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from eqjax.errors import CompatibilityError, InputError, NonFiniteResult
 from eqjax.pytree import tree_nbytes
@@ -67,13 +75,18 @@ def perplexity(
     batch_size: int = 2,
     kv_quant: Any = None,
     progress: bool = False,
+    mesh: Mesh | None = None,
 ) -> PplResult:
-    """Perplexity of ``model`` with ``params`` on ``windows`` (int32 ``[n, ctx]``), jitted and batched.
+    """Perplexity of ``model`` with ``params`` on ``windows`` (int32 ``[n, ctx]``), jitted and batched
+    (``batch_size`` windows per device and step) on ``mesh`` (default
+    :func:`eqjax.distributed.default_mesh`; see the module docs).
 
-    The last batch is padded with repeats of the first window and the padding is not counted.
+    Padding (a short last step) repeats the last windows and is not counted.
     Token ids outside the model's vocabulary raise :class:`~eqjax.errors.CompatibilityError`; a NaN or
     Inf loss or perplexity raises :class:`~eqjax.errors.NonFiniteResult` (never a silent ``inf``).
     """
+    from eqjax.distributed.mesh import default_mesh, replicated, slot_axes, stack_step  # noqa: PLC0415
+
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
         raise InputError(f"bad evaluation windows (windows): expected int [n >= 1, ctx >= 2], found shape {windows.shape}")
@@ -82,31 +95,39 @@ def perplexity(
     check_token_ids(model, windows, "evaluation windows")
     if int(batch_size) < 1:
         raise InputError(f"bad batch size (batch_size): expected an integer >= 1, found {batch_size}")
+    mesh = mesh if mesh is not None else default_mesh()
     n, ctx = windows.shape
     bs = max(1, min(batch_size, n))
-    fn = jax.jit(lambda p, t: window_nll(model, p, t, kv_quant))
+    batches = [(np.concatenate([windows[i:i + bs], np.repeat(windows[-1:], max(0, i + bs - n), axis=0)]),)
+               for i in range(0, n, bs)]
+    axes = slot_axes(mesh)
+
+    def body(p: Any, t: jax.Array) -> jax.Array:
+        return jax.lax.all_gather(window_nll(model, p, t[0], kv_quant), axes)  # [S, bs], replicated
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
+    params = jax.tree.map(lambda x: jax.device_put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
+    steps = -(-len(batches) // mesh.size)
     t0 = time.perf_counter()
-    compiled = fn.lower(params, jnp.zeros((bs, ctx), jnp.int32)).compile()
+    first, _ = stack_step(batches, 0, mesh)
+    compiled = fn.lower(params, first[0]).compile()
     compile_s = time.perf_counter() - t0
     sums: list[np.ndarray] = []
-    batches = range(0, n, bs)
-    if progress:
+    it: Any = range(steps)
+    if progress and jax.process_index() == 0:
         from tqdm.auto import tqdm
 
-        batches = tqdm(batches, desc="eval", unit="batch", leave=False)
+        it = tqdm(it, desc="eval", unit="step", leave=False)
     t0 = time.perf_counter()
-    for i in batches:
-        chunk = windows[i : i + bs]
-        real = chunk.shape[0]
-        if real < bs:
-            chunk = np.concatenate([chunk, np.repeat(windows[:1], bs - real, axis=0)])
-        out = np.asarray(compiled(params, jnp.asarray(chunk, jnp.int32)))
-        sums.append(out[:real].astype(np.float64))
+    for j in it:
+        arrays, _ = stack_step(batches, j, mesh)
+        out = compiled(params, arrays[0])
+        sums.append(np.asarray(out.addressable_data(0)).reshape(-1).astype(np.float64))
     seconds = time.perf_counter() - t0
-    total = float(np.sum(np.concatenate(sums)))
+    per = np.concatenate(sums)[:n]
+    total = float(np.sum(per))
     preds = n * (ctx - 1)
     if not np.isfinite(total):
-        per = np.concatenate(sums)
         bad = int(np.argmax(~np.isfinite(per)))
         raise NonFiniteResult(
             f"non-finite loss (evaluation window {bad} of {n}): expected a finite NLL, found {per[bad]} "
@@ -131,6 +152,14 @@ def perplexity(
         compile_seconds=compile_s,
         tokens_per_s=n * ctx / seconds if seconds > 0 else float("inf"),
     )
+
+
+def _needs_placing(x: Any, mesh: Mesh) -> bool:
+    """A leaf that is not yet a global array on ``mesh`` (host, single-device, or another mesh)."""
+    if not hasattr(x, "shape"):
+        return False
+    sh = getattr(x, "sharding", None)
+    return getattr(sh, "mesh", None) != mesh
 
 
 def check_token_ids(model: Any, ids: np.ndarray, what: str = "token ids", source: str | None = None) -> None:

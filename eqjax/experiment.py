@@ -32,7 +32,7 @@ from eqjax.qarray import QArray
 from eqjax.recipe import Recipe, quantize
 
 __all__ = ["Setup", "prepare", "evaluate_recipe", "run_recipes", "write_report", "DEFAULT_RUN_RECIPES",
-           "check_protocol_args", "RowLog", "ROWS_FILE", "recipe_fingerprint", "checked_quantize"]
+           "check_protocol_args", "RowLog", "ROWS_FILE", "recipe_fingerprint", "checked_quantize", "job_fingerprints"]
 
 log = logging.getLogger("eqjax")
 
@@ -215,6 +215,27 @@ def recipe_fingerprint(recipe: Recipe) -> str:
     import hashlib
 
     return hashlib.sha256(repr((recipe.name, recipe.steps, recipe.kv)).encode()).hexdigest()[:16]
+
+
+def job_fingerprints(setup: Setup, recipes: Iterable[Recipe | None]) -> dict[str, str]:
+    """What every process of a multi-process job must agree on (see
+    :func:`eqjax.distributed.check_same_job`): recipes, model weights, calibration and evaluation
+    windows, the protocol settings and the software versions. Paths are not compared (hosts may
+    keep the same files in different places); contents are."""
+    from eqjax.distributed.consistency import fingerprint
+
+    import eqjax
+
+    proto = {k: v for k, v in setup.protocol.items() if k not in ("model", "text")}
+    return {
+        "recipe": ",".join("checkpoint" if r is None else f"{r.name}:{recipe_fingerprint(r)}" for r in recipes),
+        "model weights": fingerprint(setup.params),
+        "model config": fingerprint(repr(setup.model)),
+        "calibration windows": fingerprint(setup.calib_windows),
+        "evaluation windows": fingerprint(setup.eval_windows),
+        "protocol": fingerprint(proto),
+        "software": f"eqjax {getattr(eqjax, '__version__', '?')}, jax {jax.__version__}",
+    }
 
 
 DEFAULT_PLOT_LAYER = "layers_11/mlp/down_proj/kernel"

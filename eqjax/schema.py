@@ -391,6 +391,14 @@ def validate_recipe_dict(d: Any, source: str | None = None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ param trees
 def _np(x: Any) -> np.ndarray:
+    """Host copy of a leaf; a global array spanning other processes' devices is read from this
+    process's replica, or gathered (a collective: every process checks the same tree)."""
+    if getattr(x, "is_fully_addressable", True) is False:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
 

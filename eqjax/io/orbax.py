@@ -13,6 +13,15 @@ existing checkpoint is replaced only with ``overwrite=True``, after the new one 
 save leaves the previous checkpoint intact; the partial one is recognisable by its name and by its
 missing manifest, and :func:`load_quantized` refuses it with a clear error.
 
+Multi-process (``jax.distributed``): every process calls :func:`save_quantized` with the same
+arguments, on a filesystem all of them see. Process 0 creates the temporary directory and tells the
+others its name; every process writes its own shards of the arrays into it (Orbax: replicated
+arrays once, sharded arrays by the processes holding the shards); after a barrier process 0 alone
+checksums the files, writes the manifest and renames the directory into place; a second barrier
+returns on every process once the checkpoint exists. A process that dies mid-save leaves only the
+temporary directory (the watchdog ends the others). Loading restores every array replicated on
+the current mesh, so a checkpoint saved by N processes loads on 1 and vice versa.
+
 Loading checks the manifest, every data file's size and checksum (a truncated or altered file is named),
 the finiteness of every restored parameter, and, given ``model=``, that the checkpoint was made for
 that model (config fingerprint and every parameter's shape), naming the parameter and both shapes.
@@ -178,20 +187,69 @@ def save_quantized(
             fingerprint = model_fingerprint(from_hf_config(model_config))
         except Exception:  # noqa: BLE001 - a config we cannot rebuild is recorded without a fingerprint
             fingerprint = None
-    with atomic_directory(root, overwrite=overwrite) as tmp:
-        ck = ocp.StandardCheckpointer()
-        ck.save(tmp / "arrays", arrays)
-        ck.wait_until_finished()
-        manifest = {
+
+    def manifest(arrays_dir: pathlib.Path) -> dict[str, Any]:
+        return {
             "format": FORMAT_VERSION,
             **_recipe_info(recipe),
             "model_config": model_config,
             "model_fingerprint": fingerprint,
             "leaves": leaves,
-            "files": _file_table(tmp / "arrays"),
+            "files": _file_table(arrays_dir),
         }
-        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
+
+    import jax
+
+    if jax.process_count() == 1:
+        with atomic_directory(root, overwrite=overwrite) as tmp:
+            ck = ocp.StandardCheckpointer()
+            ck.save(tmp / "arrays", arrays)
+            ck.wait_until_finished()
+            (tmp / _MANIFEST).write_text(json.dumps(manifest(tmp / "arrays"), indent=1, allow_nan=False))
+        return root
+    _save_together(root, _global(arrays), manifest, overwrite)
     return root
+
+
+def _global(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Every array as a global jax.Array on the current mesh (host / single-device leaves replicated)."""
+    import jax
+
+    from eqjax.distributed.mesh import default_mesh, replicated
+
+    rep = replicated(default_mesh())
+    out = {}
+    for k, v in arrays.items():
+        sh = getattr(v, "sharding", None)
+        out[k] = v if isinstance(v, jax.Array) and len(getattr(sh, "device_set", ())) == jax.device_count() else (
+            jax.device_put(v, rep))
+    return out
+
+
+def _save_together(root: pathlib.Path, arrays: dict[str, Any], manifest: Any, overwrite: bool) -> None:
+    """The multi-process save (see the module docs); every process calls it."""
+    import orbax.checkpoint as ocp
+
+    from eqjax.atomic import atomic_directory
+    from eqjax.distributed.runtime import barrier, broadcast_str, is_main_process, set_stage
+
+    set_stage(f"saving {root}")
+
+    def write(tmp: pathlib.Path) -> None:
+        ck = ocp.StandardCheckpointer()
+        ck.save(tmp / "arrays", arrays)
+        ck.wait_until_finished()
+        barrier("orbax-arrays-written")
+
+    if is_main_process():
+        with atomic_directory(root, overwrite=overwrite) as tmp:
+            broadcast_str("orbax-tmp", str(tmp))
+            write(tmp)
+            (tmp / _MANIFEST).write_text(json.dumps(manifest(tmp / "arrays"), indent=1, allow_nan=False))
+    else:
+        write(pathlib.Path(broadcast_str("orbax-tmp", None)))
+    barrier("orbax-committed")
+    set_stage("after saving")
 
 
 def _build_qarray(meta: dict[str, Any], arrays: dict[str, Any], prefix: str) -> QArray:
@@ -311,6 +369,19 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def _restore(ocp: Any, path: pathlib.Path) -> dict[str, Any]:
+    """The arrays, each replicated on the current mesh (whatever mesh or process count saved them)."""
+    import jax
+
+    from eqjax.distributed.mesh import default_mesh, replicated
+
+    ck = ocp.StandardCheckpointer()
+    tree = ck.metadata(path).item_metadata.tree
+    rep = replicated(default_mesh())
+    target = {k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=rep) for k, m in tree.items()}
+    return ck.restore(path, target)
+
+
 def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, verify: bool = True
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(params, manifest)`` from :func:`save_quantized`; the manifest holds the recipe and config.
@@ -331,7 +402,7 @@ def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, veri
     if verify and isinstance(manifest.get("files"), dict):
         _verify_files(root, manifest["files"])
     try:
-        arrays = ocp.StandardCheckpointer().restore(root / "arrays")
+        arrays = _restore(ocp, root / "arrays")
     except Exception as e:  # noqa: BLE001 - tensorstore/orbax raise many types on damaged data
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot restore the checkpoint arrays ({root / 'arrays'}): {type(e).__name__}: {first}") from None

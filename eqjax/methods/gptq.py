@@ -233,12 +233,15 @@ def gptq_matrix(
     scale_dtype: str = "float16",
     max_damp_tries: int = 4,
     name: str = "kernel",
-) -> tuple[np.ndarray, jax.Array, jax.Array | None]:
+    mesh: Any = None,
+) -> tuple[Any, jax.Array, jax.Array | None]:
     """GPTQ of a canonical weight ``w2 [K, N]`` given ``H [K, K]`` (any positive multiple of ``X^T X``).
 
     ``gid [K]`` assigns each input to one of ``n_groups`` grids (one scale per grid and output).
     Act-order implies static grids (each input keeps the grid of its own group). Returns
-    ``(Q [K, N] float32 on the grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``.
+    ``(Q [K, N] float32 on the grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``;
+    ``Q`` is a numpy array, or with a multi-device ``mesh`` a jax array whose ``N`` output channels
+    were quantized split over the mesh's devices (bitwise the same values).
     """
     w_in = np.asarray(w2, np.float32)
     if w_in.ndim != 2:
@@ -257,12 +260,47 @@ def gptq_matrix(
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
     u, _ = hessian_cholesky(h[np.ix_(perm, perm)], percdamp, max_damp_tries=max_damp_tries, name=name)
     starts = tuple(int(np.argmax(gid == g)) for g in range(n_groups)) if not static else ()
-    Q, scale, zp = _gptq_core(
-        jnp.asarray(W), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32),
-        n_groups, bits=bits, symmetric=symmetric, blocksize=int(blocksize), static=bool(static),
-        scale_dtype=scale_dtype, starts=starts,
-    )
+    args = (jnp.asarray(W), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32))
+    kw = dict(bits=bits, symmetric=symmetric, blocksize=int(blocksize), static=bool(static), scale_dtype=scale_dtype,
+              starts=starts)
+    if mesh is not None and mesh.size > 1 and W.shape[0] % mesh.size == 0:
+        Q, scale, zp = _gptq_columns(mesh, *args, n_groups, **kw)
+        return jnp.transpose(Q), scale, zp
+    Q, scale, zp = _gptq_core(*args, n_groups, **kw)
     return np.asarray(Q).T, scale, zp
+
+
+def _gptq_columns(mesh: Any, W: jax.Array, U: jax.Array, perm: jax.Array, gid: jax.Array, n_groups: int,
+                  **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """:func:`_gptq_core` with the output channels (rows of ``W [out, in]``) split over every device of
+    ``mesh`` (:mod:`eqjax.distributed`): given the shared ``U``, GPTQ treats each output channel on its
+    own, and a row split rounds every matmul exactly as one device does, so the result is bitwise the
+    same. ``Q [out, in]`` and the grids ``[n_groups, out]`` come back split along ``out``."""
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    axes = tuple(mesh.axis_names)
+    W = jax.device_put(W, NamedSharding(mesh, P(axes, None)))
+    U, perm, gid = (jax.device_put(a, NamedSharding(mesh, P())) for a in (U, perm, gid))
+    out = _sharded_core(mesh, n_groups, tuple(sorted(kw.items())))(W, U, perm, gid)
+    return (out[0], out[1], out[2] if len(out) == 3 else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_core(mesh: Any, n_groups: int, kw_items: tuple) -> Any:
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    kw = dict(kw_items)
+    axes = tuple(mesh.axis_names)
+    rows, cols, rep = P(axes, None), P(None, axes), P()
+    asym = not kw["symmetric"]
+
+    def local(w, u, p, g):
+        q, s, z = _gptq_core(w, u, p, g, n_groups, **kw)
+        return (q, s, z) if asym else (q, s)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows, rep, rep, rep),
+                                 out_specs=(rows, cols, cols) if asym else (rows, cols), check_vma=False))
 
 
 def gptq_quantize(kernel: Any, hessian: Any, *, group_size: int | None = 128, scale_dtype: str | None = None,
@@ -383,7 +421,7 @@ class GPTQ:
                                       sink_weight=self.sink_weight)
                 for u in group:
                     p[u.path] = self._one(p[u.path], u, 2.0 * np.asarray(stats[u.path]["xtx"], np.float64),
-                                          an, grids)
+                                          an, grids, bc.mesh)
             return p
 
         out = cal.run_blocks(params, per_block, advance="new", progress=ctx.progress, desc=self.name)
@@ -395,7 +433,7 @@ class GPTQ:
             ctx.report.append((path, f"{self.name}: int{self.bits} {'sym' if self.symmetric else 'asym'} {gran}"))
         return out
 
-    def _one(self, w: Any, u: WeightUse, h: np.ndarray, an: Any, grids: dict) -> Any:
+    def _one(self, w: Any, u: WeightUse, h: np.ndarray, an: Any, grids: dict, mesh: Any = None) -> Any:
         if u.batch:
             raise InputError(f"{self.name}: {u.path} is used with batch axes; GPTQ needs a plain matmul weight")
         spec = concrete_spec(self.spec(), an, u.path, u.shape)
@@ -405,7 +443,7 @@ class GPTQ:
         Q2, scale, zp = gptq_matrix(
             weight_matrix(w, u), h, gid, ng, bits=self.bits, symmetric=self.symmetric, act_order=self.act_order,
             static_groups=self.static_groups, percdamp=self.percdamp, blocksize=self.blocksize,
-            scale_dtype=spec.scale_dtype, name=u.path,
+            scale_dtype=spec.scale_dtype, name=u.path, mesh=mesh,
         )
         old = grids.get(u.path, (None, None, None))
         sp = place_grid(old[1], grids_to_param(scale, u, gran), u, gran)

@@ -1,0 +1,44 @@
+"""Calibration, evaluation and saving on one device, many devices or many hosts: one code path.
+
+* :mod:`~eqjax.distributed.mesh`: the ``(data, model)`` mesh, batch slots, where params live.
+* :mod:`~eqjax.distributed.merge`: statistics merged across the mesh in a fixed order.
+* :mod:`~eqjax.distributed.runtime`: joining a job (``jax.distributed``), barriers, who writes.
+* :mod:`~eqjax.distributed.watchdog` / :mod:`~eqjax.distributed.supervise`: a dead peer or lost
+  coordinator ends every survivor with an eqjax error, never a hang.
+* :mod:`~eqjax.distributed.consistency`: processes check they hold the same job.
+* :mod:`~eqjax.distributed.ema`: EMA activation scales synced across replicas.
+* :mod:`~eqjax.distributed.sharded`: row statistics on arrays already sharded over a mesh axis,
+  :func:`host_rows` / :func:`global_batch` for feeding per-process rows.
+* :mod:`~eqjax.distributed.tensor_parallel`: quantizing a weight sharded along one dimension.
+
+The Calibrator (:mod:`eqjax.calibrate`) and :func:`eqjax.evaluate.perplexity` run on
+:func:`default_mesh` (every device, or the one set with :func:`use_mesh`); there is no separate
+distributed API beside the methods.
+"""
+
+from eqjax.distributed.consistency import InconsistentJobError, check_same_job, fingerprint
+from eqjax.distributed.ema import synced_ema_update
+from eqjax.distributed.merge import COLLECTIVES, Reduction, merge_slots
+from eqjax.distributed.mesh import (DATA, MODEL, default_mesh, describe_mesh, device_bytes, make_mesh, n_steps,
+                                    param_sharding, place, replicated, set_default_mesh, slot_axes, slot_sharding,
+                                    stack_step, use_mesh)
+from eqjax.distributed.sharded import (DEFAULT_BLOCKS, LOCAL_MERGES, Statistic, _axes_tuple, channel_absmax,  # noqa: F401
+                                       channel_max, channel_min, channel_sum, compute_statistics, global_batch,
+                                       host_rows, row_count, sharded_statistic, sharded_statistics, tree_sum, xtx)
+from eqjax.distributed.tensor_parallel import _tp_plan, qarray_shardings, quantize_sharded  # noqa: F401
+from eqjax.distributed.runtime import (DEFAULT_TIMEOUT_S, DistributedError, DistributedInfo, add_distributed_args,
+                                       barrier, broadcast_str, finish, init_distributed, init_from_args,
+                                       is_main_process, process_count, set_stage, shutdown_distributed, write_once)
+
+__all__ = [
+    "DATA", "MODEL", "make_mesh", "default_mesh", "use_mesh", "set_default_mesh", "slot_axes", "replicated", "slot_sharding",
+    "param_sharding", "place", "stack_step", "n_steps", "device_bytes", "describe_mesh",
+    "Reduction", "merge_slots", "COLLECTIVES",
+    "DistributedError", "DistributedInfo", "init_distributed", "add_distributed_args", "init_from_args", "finish",
+    "shutdown_distributed", "is_main_process", "process_count", "write_once", "barrier", "broadcast_str",
+    "set_stage", "DEFAULT_TIMEOUT_S",
+    "InconsistentJobError", "fingerprint", "check_same_job", "synced_ema_update",
+    "LOCAL_MERGES", "DEFAULT_BLOCKS", "Statistic", "channel_absmax", "channel_max", "channel_min", "channel_sum",
+    "row_count", "xtx", "tree_sum", "compute_statistics", "sharded_statistics", "sharded_statistic", "host_rows",
+    "global_batch", "quantize_sharded", "qarray_shardings",
+]

@@ -5,7 +5,10 @@ Results are appended to the JSON as they finish (a re-run skips rows already mea
 protocol), so a partial run still gives a true, smaller table. Targets are checked against the
 measured figures and printed as met / NOT met.
 
-Usage: python bench/quality.py [--eval-tokens 32768] [--calib-windows 128] [--only a,b] [--sweep]
+``size MB`` is the whole artifact (every param as stored, :func:`eqjax.pytree.tree_nbytes`); ``x fp16`` is
+the float16 model's bytes (half the FP row's float32 bytes) over it.
+
+Usage: python bench/quality.py [--eval-tokens 32768] [--calib-windows 128] [--only a,b] [--rerun a,b] [--sweep]
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ MAIN = [
     "w8a8-zeroquant", "w8a8-zeroquant-lkd", "w4g128-rtn-sym", "w4g128-rtn", "w4g128-gptq-sym", "w4g128-gptq",
     "w4g128-awq", "w4g128-awq-gptq", "w3g128-rtn", "w3g128-gptq", "w3g128-awq", "kv8", "kv4", "kv2",
     "kv2-outliers",
+    # issue 13: 16-code symmetric grids (w4g128-rtn-sym, w4g128-gptq-sym above), searched grids, learned
+    # rounding
+    "w4g128-rtn-search", "w4g128-rtn-search-sym", "w4g128-gptq-search", "w4g128-gptq-search-sym",
+    "w4g128-awq-rtn-search", "w4g128-awq-gptq-search", "w4g128-signround", "w4g128-signround-sym",
+    "w4g128-awq-signround", "w3g128-rtn-search", "w3g128-gptq-search", "w3g128-awq-gptq-search", "w3g128-signround",
+    "w3g128-awq-signround",
 ]
 SWEEP = {"w8a8-smoothquant": (16, 32, 64, 128), "w4g128-gptq": (16, 32, 64, 128)}
 
@@ -42,12 +51,14 @@ def run_one(recipe: str, args: argparse.Namespace, calib: int) -> dict:
                "--ctx", str(args.ctx), "--calib-windows", str(calib), "--calib-ctx", str(args.calib_ctx),
                "--json", str(out)]
         t0 = time.perf_counter()
+        load0 = os.getloadavg()[0]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             return {"recipe": recipe, "error": (proc.stderr or proc.stdout)[-800:], "calib_windows": calib}
         row = json.loads(out.read_text())
         row["process_seconds"] = wall
+        row["load_start"], row["load_end"] = load0, os.getloadavg()[0]
         return row
 
 
@@ -102,6 +113,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
     if "w8a8-zeroquant-lkd" in by and "w8a8-zeroquant" in by:
         a, b = by["w8a8-zeroquant-lkd"]["ppl"], by["w8a8-zeroquant"]["ppl"]
         out.append(("ZeroQuant + LKD improves over ZeroQuant (W8A8 g64)", f"{a:.3f} vs {b:.3f}", a < b))
+    out += issue13_targets(by, fp)
     if "w4g128-gptq" in by:
         r = by["w4g128-gptq"]
         out.append(("GPTQ W4 quantize time <= 150 s (half the reference's ~300 s)", f"{r['quantize_seconds']:.0f} s", r["quantize_seconds"] <= 150))
@@ -112,6 +124,48 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
 
 
 MAIN_CALIB = 128
+
+
+def _autoround_rows() -> list[tuple[str, float]]:
+    """(name, ppl) of the AutoRound W4 g128 rows of bench/results/peers.json (same token ids)."""
+    path = RESULTS / "peers.json"
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text()).get("rows", [])
+    return [(r["name"], r["ppl"]) for r in rows if r.get("tool") == "auto-round" and isinstance(r.get("ppl"), float)
+            and r.get("config", {}).get("bits") == 4 and r.get("config", {}).get("group") == 128]
+
+
+def _weight_only(r: dict) -> bool:
+    return r.get("a_bits") in (None, 16, 32, "-", "16", "32") and r.get("kv_bits") in (None, 16, 32, "-", "16", "32")
+
+
+def issue13_targets(by: dict, fp: float) -> list[tuple[str, str, bool | None]]:
+    """Issue 13's targets that the rows can answer (see the issue; AutoRound rows from peers.json)."""
+    out: list[tuple[str, str, bool | None]] = []
+    if "w4g128-rtn" in by:
+        cap = by["w4g128-rtn"]["size_bytes"]
+        w4 = [(n, r) for n, r in by.items() if n.startswith("w4g128-") and _weight_only(r) and r["size_bytes"] <= cap]
+        if w4:
+            n, r = min(w4, key=lambda t: t[1]["ppl"])
+            prev = by.get("w4g128-awq-gptq", {}).get("ppl")
+            peers = _autoround_rows()
+            worse = [f"{pn} {pp:.3f}" for pn, pp in peers if r["ppl"] >= pp]
+            ok = (prev is None or r["ppl"] < prev) and not worse
+            out.append((f"best W4 g128 weight-only at <= the bytes of w4g128-rtn beats w4g128-awq-gptq"
+                        f"{'' if prev is None else f' ({prev:.3f})'} and every AutoRound W4 g128 row of peers.json"
+                        f" ({', '.join(f'{pn} {pp:.3f}' for pn, pp in peers) or 'none found'})",
+                        f"{r['ppl']:.3f} ({n})" + (f"; not below {', '.join(worse)}" if worse else ""), ok))
+    if "w3g128-rtn" in by:
+        w3 = [(n, _gap_closed(by, n, "w3g128-rtn", fp)) for n in by if n.startswith("w3g128-") and n != "w3g128-rtn"]
+        w3 = [(n, g) for n, g in w3 if g is not None]
+        if w3:
+            n, g = max(w3, key=lambda t: t[1])
+            out.append(("W3 g128 asymmetric: best recipe closes >= 75 % of RTN's gap", f"{g:.1f} % ({n}, ppl "
+                        f"{by[n]['ppl']:.3f})", g >= 75))
+    return out
+
+
 _KV_FLOATS_PER_TOKEN = 30 * 2 * 3 * 64  # SmolLM2: layers x (K, V) x kv heads x head dim, for float32 rows
 
 
@@ -119,16 +173,20 @@ def markdown(rows: list[dict], protocol: dict) -> str:
     ok = [r for r in rows if "ppl" in r]
     fp = next((r["ppl"] for r in ok if r["recipe"] == "fp"), None)
     lines = [
-        "| recipe | calib | W | A | KV | KV B/token | ppl | vs FP | size MB | quantize s | process s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | calib | W | A | KV | KV B/token | ppl | vs FP | size MB | x fp16 | quantize s | process s | peak RSS MB | load 1 min start/end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    fp_row = next((r for r in ok if r["recipe"] == "fp"), None)
+    f16 = None if fp_row is None else fp_row["size_bytes"] / 2
     for r in ok:
         d = "—" if fp is None else f"{100 * (r['ppl'] / fp - 1):+.2f} %"
         lines.append(
             f"| {r['recipe']} | {r.get('calib_windows', 0)} | {r['w_bits']} | {r['a_bits']} | {r['kv_bits']} | "
             f"{r.get('kv_bytes_per_token', 4 * _KV_FLOATS_PER_TOKEN):.0f} | "
-            f"{r['ppl']:.3f} | {d} | {r['size_mb']:.1f} | {r['quantize_seconds']:.1f} | "
-            f"{r.get('process_seconds', float('nan')):.0f} | {r['peak_rss_mb']:.0f} |"
+            f"{r['ppl']:.3f} | {d} | {r['size_mb']:.1f} | "
+            f"{'—' if f16 is None else format(f16 / r['size_bytes'], '.2f')} | {r['quantize_seconds']:.1f} | "
+            f"{r.get('process_seconds', float('nan')):.0f} | {r['peak_rss_mb']:.0f} | "
+            f"{_loadavg(r)} |"
         )
     failed = [r for r in rows if "error" in r]
     t = targets(rows)
@@ -152,6 +210,11 @@ def markdown(rows: list[dict], protocol: dict) -> str:
     return text
 
 
+def _loadavg(r: dict) -> str:
+    a, b = r.get("load_start"), r.get("load_end")
+    return "" if a is None or b is None else f"{a:.1f}/{b:.1f}"
+
+
 def rewrite_markdown(path: pathlib.Path) -> None:
     """Regenerate the markdown of a results JSON (e.g. after editing the targets)."""
     data = json.loads(path.read_text())
@@ -165,22 +228,24 @@ def main() -> int:
     ap.add_argument("--calib-windows", type=int, default=MAIN_CALIB)
     ap.add_argument("--calib-ctx", type=int, default=512)
     ap.add_argument("--only", default=None, help="comma-separated recipes (default: all that exist)")
+    ap.add_argument("--rerun", default="", help="comma-separated recipes to measure again (their rows are replaced)")
     ap.add_argument("--sweep", action="store_true", help="also the calibration-size sweep (16/32/64/128)")
     ap.add_argument("--out", default=str(RESULTS / "quality.json"))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from eqjax.recipes import RECIPES
+    from eqjax.recipes import RECIPES, get_recipe
 
     protocol = {"eval_tokens": args.eval_tokens, "ctx": args.ctx, "calib_ctx": args.calib_ctx}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = _load(out, protocol)
-    done = {_key(r) for r in rows if "ppl" in r}
-    rows = [r for r in rows if "ppl" in r]
+    rerun = set(filter(None, args.rerun.split(",")))
+    rows = [r for r in rows if "ppl" in r and r["recipe"] not in rerun]
+    done = {_key(r) for r in rows}
     names = args.only.split(",") if args.only else [n for n in MAIN if n in RECIPES]
     jobs = []
     for n in names:
-        calib = args.calib_windows if RECIPES[n]().needs_calibration else 0
+        calib = args.calib_windows if get_recipe(n).needs_calibration else 0
         jobs.append((n, calib))
     if args.sweep:
         jobs += [(n, c) for n, cs in SWEEP.items() if n in RECIPES for c in cs]
@@ -189,7 +254,9 @@ def main() -> int:
             continue
         print(f"[{time.strftime('%H:%M:%S')}] {n} (calibration windows: {calib}) ...", flush=True)
         row = run_one(n, args, calib)
-        rows.append(row)
+        rows = _load(out, protocol) if out.is_file() else rows  # another run may have added rows meanwhile
+        rows = [r for r in rows if _key(r) != _key(row) and r["recipe"] not in rerun] + [row]
+        rerun.discard(n)
         done.add(_key(row))
         print("   ", {k: row.get(k) for k in ("ppl", "quantize_seconds", "process_seconds", "peak_rss_mb", "error")},
               flush=True)

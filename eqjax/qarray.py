@@ -22,7 +22,8 @@ Storage ("codes"):
   ``bits * n / 8`` bytes, little-endian, first code in the lowest bits. For 4 bits this is "two per
   byte, even index in the low nibble"; 2 bits four per byte; 3 bits eight codes in three bytes. The
   pack axis is zero-padded to a multiple of ``n``; ``shape`` holds the unpadded shape.
-  Symmetric packed arrays use the implicit zero point ``2**(bits-1)``.
+  Symmetric packed arrays use the implicit zero point ``2**(bits-1)``, so they hold all ``2**bits``
+  integers ``[-2**(bits-1), 2**(bits-1) - 1]`` (code 0 is ``-2**(bits-1)``, used by full-range grids).
 * ``5 <= bits <= 8``: one code per byte, unpacked. Symmetric: ``int8`` values in
   ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``, zero point 0. Asymmetric: ``uint8`` codes in
   ``[0, 2**bits - 1]``.
@@ -202,8 +203,8 @@ def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
     if symmetric and not is_packed(bits):
         q = 2 ** (bits - 1) - 1
         return -q, q
-    if symmetric:  # packed: q + 2**(b-1) with q in [-(2**(b-1)-1), 2**(b-1)-1]
-        return 1, 2**bits - 1
+    if symmetric:  # packed: q + 2**(b-1) with q in [-2**(b-1), 2**(b-1)-1] (every code)
+        return 0, 2**bits - 1
     return 0, 2**bits - 1
 
 

@@ -186,6 +186,8 @@ STEP_TYPES: dict[str, str] = {
     "awq": "eqjax.methods.awq:AWQ",
     "smoothquant": "eqjax.methods.smoothquant:SmoothQuant",
     "zeroquant_lkd": "eqjax.methods.lkd:ZeroQuantLKD",
+    "rtn_search": "eqjax.methods.grid:SearchedRTN",
+    "signround": "eqjax.methods.signround:SignRound",
 }
 
 

@@ -31,8 +31,13 @@ def weight_rule(
     act_granularity: str = "token",
     pattern: str = ".*",
     role: str = "matmul",
+    full_range: bool | None = None,
 ) -> Rule:
-    """One rule for every matmul weight: per output channel by default, ``group`` along the input."""
+    """One rule for every matmul weight: per output channel by default, ``group`` along the input.
+
+    ``full_range`` (default: symmetric 2..4-bit weight-only rules): symmetric grids on all ``2**b``
+    codes (:class:`~eqjax.numerics.QuantSpec`); 5..8-bit and W8A8 grids keep ``+-(2**(b-1) - 1)``.
+    """
     if group is not None:
         gran = per_input_group(group)
     elif per_tensor_scale:
@@ -40,7 +45,9 @@ def weight_rule(
     else:
         gran = per_output_channel()
     scale_dtype = "float16" if group is not None else "float32"
-    spec = QuantSpec(bits, symmetric, gran, calibrator, scale_dtype=scale_dtype)
+    if full_range is None:
+        full_range = symmetric and bits <= 4 and act_bits is None
+    spec = QuantSpec(bits, symmetric, gran, calibrator, scale_dtype=scale_dtype, full_range=full_range)
     return Rule(pattern, spec, act_bits, act_granularity, role)
 
 
@@ -84,7 +91,7 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w8a8-zeroquant": _rtn("w8a8-zeroquant", "ZeroQuant: W8 group-64 symmetric + A8 per-token dynamic",
                            weight_rule(8, group=64, act_bits=8)),
     "w4g128-rtn": _rtn("w4g128-rtn", "W4 asymmetric, group 128, round to nearest", weight_rule(4, symmetric=False, group=128)),
-    "w4g128-rtn-sym": _rtn("w4g128-rtn-sym", "W4 symmetric, group 128, round to nearest", weight_rule(4, group=128)),
+    "w4g128-rtn-sym": _rtn("w4g128-rtn-sym", "W4 symmetric (16 codes), group 128, round to nearest", weight_rule(4, group=128)),
     "w3g128-rtn": _rtn("w3g128-rtn", "W3 asymmetric, group 128, round to nearest", weight_rule(3, symmetric=False, group=128)),
     # SmoothQuant (alpha smoothing, then W8 per-channel + A8 per-token), ZeroQuant + LKD, KV cache.
     "w8a8-smoothquant": lambda: _smoothquant("w8a8-smoothquant", 0.85),
@@ -103,7 +110,7 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     # does not divide the input width (576 = 4 x 128 + 64), the same layout as the RTN recipes.
     "w4g128-gptq": lambda: Recipe("w4g128-gptq", (_gptq(bits=4),), "GPTQ W4 asymmetric, group 128, act-order"),
     "w4g128-gptq-sym": lambda: Recipe("w4g128-gptq-sym", (_gptq(bits=4, symmetric=True),),
-                                      "GPTQ W4 symmetric, group 128, act-order"),
+                                      "GPTQ W4 symmetric (16 codes), group 128, act-order"),
     "w3g128-gptq": lambda: Recipe("w3g128-gptq", (_gptq(bits=3),), "GPTQ W3 asymmetric, group 128, act-order"),
     "w4g128-awq": lambda: Recipe("w4g128-awq", (_awq(bits=4), RTN((weight_rule(4, symmetric=False, group=128),))),
                                  "AWQ scales + clipping, then W4 asymmetric group-128 RTN"),
@@ -112,6 +119,55 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w3g128-awq": lambda: Recipe("w3g128-awq", (_awq(bits=3), RTN((weight_rule(3, symmetric=False, group=128),))),
                                  "AWQ scales + clipping, then W3 asymmetric group-128 RTN"),
 }
+
+# ---- issue 13: searched grids (:mod:`eqjax.methods.grid`) and learned rounding
+# (:mod:`eqjax.methods.signround`); same stored layout and bytes as the RTN / GPTQ recipes above.
+_G128 = dict(group_size=128)
+ISSUE13: dict[str, Callable[[], Recipe]] = {
+    "w4g128-rtn-search": lambda: Recipe("w4g128-rtn-search", (_search(bits=4),),
+                                        "W4 asymmetric g128, grid per group searched (H-weighted output error)"),
+    "w4g128-rtn-search-sym": lambda: Recipe("w4g128-rtn-search-sym", (_search(bits=4, symmetric=True),),
+                                            "W4 symmetric (16 codes) g128, grid per group searched (H-weighted)"),
+    "w4g128-gptq-search": lambda: Recipe("w4g128-gptq-search", (_gptq(bits=4, grid="search"),),
+                                         "GPTQ W4 asymmetric g128, act-order, searched static grids"),
+    "w4g128-gptq-search-sym": lambda: Recipe("w4g128-gptq-search-sym", (_gptq(bits=4, symmetric=True, grid="search"),),
+                                             "GPTQ W4 symmetric (16 codes) g128, act-order, searched static grids"),
+    "w4g128-awq-rtn-search": lambda: Recipe("w4g128-awq-rtn-search", (_awq(bits=4, clip=False), _search(bits=4)),
+                                            "AWQ scales, then W4 asymmetric g128 RTN on searched grids"),
+    "w4g128-awq-gptq-search": lambda: Recipe("w4g128-awq-gptq-search", (_awq(bits=4, clip=False), _gptq(bits=4, grid="search")),
+                                             "AWQ scales, then GPTQ W4 asymmetric g128 on searched static grids"),
+    "w4g128-signround": lambda: Recipe("w4g128-signround", (_signround(bits=4),),
+                                       "SignRound W4 asymmetric g128 (learned rounding + grid, <= 200 iters/block within 20 min, searched init)"),
+    "w4g128-signround-sym": lambda: Recipe("w4g128-signround-sym", (_signround(bits=4, symmetric=True),),
+                                           "SignRound W4 symmetric (16 codes) g128, <= 200 iters/block within 20 min, searched init"),
+    "w4g128-awq-signround": lambda: Recipe("w4g128-awq-signround", (_awq(bits=4, clip=False), _signround(bits=4)),
+                                           "AWQ scales, then SignRound W4 asymmetric g128 (<= 200 iters/block within 20 min, searched init)"),
+    "w3g128-rtn-search": lambda: Recipe("w3g128-rtn-search", (_search(bits=3),),
+                                        "W3 asymmetric g128, grid per group searched (H-weighted)"),
+    "w3g128-gptq-search": lambda: Recipe("w3g128-gptq-search", (_gptq(bits=3, grid="search"),),
+                                         "GPTQ W3 asymmetric g128, act-order, searched static grids"),
+    "w3g128-awq-gptq-search": lambda: Recipe("w3g128-awq-gptq-search", (_awq(bits=3, clip=False), _gptq(bits=3, grid="search")),
+                                             "AWQ scales, then GPTQ W3 asymmetric g128 on searched static grids"),
+    "w3g128-signround": lambda: Recipe("w3g128-signround", (_signround(bits=3),),
+                                       "SignRound W3 asymmetric g128 (<= 200 iters/block within 20 min, searched init)"),
+    "w3g128-awq-signround": lambda: Recipe("w3g128-awq-signround", (_awq(bits=3, clip=False), _signround(bits=3)),
+                                           "AWQ scales, then SignRound W3 asymmetric g128 (<= 200 iters/block within 20 min, searched init)"),
+}
+RECIPES.update(ISSUE13)
+
+def _search(**kw):
+    from eqjax.methods.grid import SearchedRTN  # noqa: PLC0415
+
+    return SearchedRTN(**{**_G128, **kw})
+
+
+SIGNROUND_BUDGET_S = 1200.0  # wall seconds for the whole SignRound step of the built-in recipes
+
+
+def _signround(**kw):
+    from eqjax.methods.signround import SignRound  # noqa: PLC0415
+
+    return SignRound(**{**_G128, "init": "search", "time_budget": SIGNROUND_BUDGET_S, **kw})
 
 
 def _gptq(**kw):

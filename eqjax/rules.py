@@ -98,7 +98,7 @@ def assign(paths: Mapping[str, Any], rules: tuple[Rule, ...], roles: Mapping[str
 _GRANULARITY_KEYS = {"tensor", "channel", "group"}
 _RULE_KEYS = {
     "pattern", "bits", "symmetric", "granularity", "axis", "group_size", "calibrator", "percentile",
-    "scale_dtype", "act_bits", "act_granularity", "skip", "role",
+    "scale_dtype", "act_bits", "act_granularity", "skip", "role", "full_range",
 }
 
 
@@ -166,6 +166,7 @@ def rule_from_dict(d: Mapping[str, Any]) -> Rule:
             calibrator=_typed(d, "calibrator", (str,), "minmax"),
             percentile=float(_typed(d, "percentile", (int, float), 99.9)),
             scale_dtype=_typed(d, "scale_dtype", (str,), "float32"),
+            full_range=_typed(d, "full_range", (bool,), False),
         )
     except (QArrayError, ValueError) as e:
         if isinstance(e, RuleError):

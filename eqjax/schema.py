@@ -211,6 +211,7 @@ RULE_FIELDS: dict[str, Checker] = {
     "act_bits": Int(2, 8),
     "act_granularity": Str(("token", "tensor")),
     "role": Str(("matmul", "embedding", "any")),
+    "full_range": Bool(),
 }
 RULE_KEYS = frozenset(RULE_FIELDS)
 _QUANT_KEYS = tuple(k for k in RULE_FIELDS if k not in ("pattern", "skip", "role"))
@@ -282,6 +283,23 @@ _FIELD_RANGES: dict[str, Checker] = {
     "max_shrink": Float(0.0, 1.0, hi_open=True),
     "sink_weight": Float(0.0, None),
     "scale_dtype": Optional(Str(("float32", "float16", "bfloat16"))),
+    # issue 13: searched grids, learned rounding
+    "grid": Str(("minmax", "search")),
+    "grid_weighting": Str(("hessian", "diagonal", "none")),
+    "weighting": Str(("hessian", "diagonal", "none")),
+    "grid_n": Int(1, 10_000),
+    "grid_min_ratio": Float(0.0, 1.0, lo_open=True),
+    "min_ratio": Float(0.0, 1.0, lo_open=True),
+    "grid_refine": Int(0, 1000),
+    "refine": Int(0, 1000),
+    "damp": Float(0.0, 10.0),
+    "iters": Int(0, 1_000_000),
+    "optimizer": Str(("sign", "adam")),
+    "init": Str(("minmax", "search")),
+    "advance": Str(("new", "original")),
+    "time_budget": Float(0.0, None, lo_open=True),
+    "scale_min": Float(0.0, 1.0, lo_open=True),
+    "scale_max": Float(1.0, 100.0),
     "pattern": Regex(),
     "name": Str(nonempty=True),
 }

@@ -11,7 +11,7 @@ from hypothesis import example, given, strategies as st
 
 from eqjax.numerics import (
     QuantSpec, _blocked, _from_view, codes, compute_range, dequantize, expand_scale, fake_quantize, pack, quantize,
-    quantize_with, round_half_even, unpack,
+    quantize_with, round_half_even, symmetric_bounds, unpack,
 )
 from eqjax.qarray import QArrayError, per_channel, per_group, per_tensor, validate
 
@@ -36,7 +36,8 @@ def tensor_and_spec(draw, calibrators=("absmax", "minmax")):
     symmetric = draw(st.booleans())
     calibrator = draw(st.sampled_from(calibrators))
     scale_dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"])) if calibrator != "mse" else "float32"
-    spec = QuantSpec(bits, symmetric, gran, calibrator, scale_dtype=scale_dtype)
+    full_range = symmetric and bits <= 4 and draw(st.booleans())
+    spec = QuantSpec(bits, symmetric, gran, calibrator, scale_dtype=scale_dtype, full_range=full_range)
     return x, spec
 
 
@@ -77,8 +78,8 @@ def _grid_limits(q):
     """Smallest and largest value each element's block can represent."""
     s = np.asarray(expand_scale(q), np.float64)
     if q.symmetric:
-        m = 2 ** (q.bits - 1) - 1
-        return -m * s, m * s
+        lo, hi = symmetric_bounds(q.bits)
+        return lo * s, hi * s
     # the code of 0.0 is the zero point of the element's block
     z = np.asarray(codes(quantize_with(jnp.zeros(q.shape), q.scale, q.zero_point, bits=q.bits,
                                        granularity=q.granularity)), np.float64)
@@ -88,7 +89,7 @@ def _grid_limits(q):
 @given(tensor_and_spec())
 def test_asymmetric_represents_zero_exactly(case):
     x, spec = case
-    spec = dataclasses.replace(spec, symmetric=False)
+    spec = dataclasses.replace(spec, symmetric=False, full_range=False)
     x = x.copy()
     x.flat[0] = 0.0
     q = quantize(jnp.asarray(x), spec)
@@ -109,8 +110,8 @@ def _recalibration_is_stable(q, spec):
     :func:`test_recalibration_counterexamples`).
     """
     shape = q.scale.shape
-    if q.symmetric:
-        return np.ones(shape, bool)
+    if q.symmetric:  # full-range grids: the new absmax is 7 or 8 steps, not 7.5 (module docs)
+        return np.full(shape, not spec.full_range, bool)
     if spec.calibrator != "minmax":
         return np.zeros(shape, bool)
     top = 2**q.bits - 1
@@ -249,6 +250,43 @@ def test_symmetric_extremes_never_overflow():
     # int8: +absmax -> 127, never 128 (the seed's /127.5 scale would round 127.5 up to 128)
     q = quantize(jnp.asarray([[-1.0], [1.0]]), QuantSpec(8, True, per_tensor()))
     assert np.asarray(q.values).ravel().tolist() == [-127, 127]
+
+
+def test_full_range_symmetric_matches_gptq_reference_grid():
+    """Full-range symmetric W2..W4 against an independent numpy port of GPTQ's reference quantizer
+    (``scale = 2 * absmax / (2**b - 1)``, ``q = clamp(round(x / scale) + 2**(b-1), 0, 2**b - 1)``), on
+    every length-3 integer vector (each its own block): same values; all 2**b codes occur; every value
+    within half a step; the own grid re-quantizes exactly."""
+    ints = np.array(list(itertools.product(range(-6, 7), repeat=3)), np.float64)
+    x = np.concatenate([ints, ints * 0.37 + 0.01]).astype(np.float32)
+    for bits in (2, 3, 4):
+        q = quantize(jnp.asarray(x), QuantSpec(bits, True, per_channel(0), "absmax", full_range=True))
+        validate(q)
+        # the integer vectors hit exact half-step ties (x / scale = k + 1/2), where float32 rounding of the
+        # quotient decides the side: there either neighbour is accepted, elsewhere the value must match
+        a = np.max(np.abs(x.astype(np.float64)), axis=1, keepdims=True)
+        s = np.where(a > 0, 2 * a / (2**bits - 1), 1.0)
+        half = 2 ** (bits - 1)
+        t = x / s
+        tie = np.abs(np.abs(t - np.floor(t)) - 0.5) < 1e-5
+        lo_ref = (np.clip(np.floor(t) + half, 0, 2**bits - 1) - half) * s
+        hi_ref = (np.clip(np.floor(t) + 1 + half, 0, 2**bits - 1) - half) * s
+        ref = (np.clip(np.round(t) + half, 0, 2**bits - 1) - half) * s
+        got = np.asarray(dequantize(q), np.float64)
+        close = lambda u, v: np.abs(u - v) <= 1e-6 * np.abs(v) + 1e-7  # noqa: E731
+        assert np.all(np.where(tie, close(got, lo_ref) | close(got, hi_ref), close(got, ref))), bits
+        c = np.asarray(codes(q))
+        assert set(np.unique(c)) == set(range(2**bits)), bits
+        assert np.all(np.abs(np.asarray(dequantize(q), np.float64) - x) <= s / 2 * (1 + 1e-6))
+        q2 = quantize_with(dequantize(q), q.scale, None, bits=bits, granularity=q.granularity)
+        np.testing.assert_array_equal(np.asarray(q2.values), np.asarray(q.values))
+
+
+def test_full_range_is_refused_where_storage_cannot_hold_it():
+    with pytest.raises(QArrayError, match="full_range"):
+        QuantSpec(8, True, per_tensor(), full_range=True)  # int8 storage keeps +-127 (W8A8)
+    with pytest.raises(QArrayError, match="full_range"):
+        QuantSpec(4, False, per_tensor(), full_range=True)
 
 
 def test_int4_group128_size_4096():

@@ -179,6 +179,7 @@ class AWQ:
     no_clip: tuple[str, ...] = NO_CLIP
     pattern: str = ".*"
     role: str = "matmul"
+    full_range: bool = True
     name: str = "awq"
     needs_calibration = True
 
@@ -192,7 +193,8 @@ class AWQ:
     def spec(self) -> QuantSpec:
         gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
         sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
-        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd)
+        full = self.full_range and self.symmetric and self.bits <= 4  # symmetric grids on all 2**b codes
+        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
         cal = ctx.calibrator(self.name)

@@ -18,9 +18,12 @@ kernels (the reference's ``W [out, in]`` is ``kernel.T``; its "columns" are our 
   *own* contiguous group, so the result is an ordinary ``per_group(0, G)`` QArray (no ``g_idx``).
 
 Grids are eqjax's (:func:`eqjax.numerics.range_to_qparams`): asymmetric min/max with an integer zero
-point, symmetric ``absmax / (2**(b-1) - 1)``; scales are stored as ``scale_dtype`` (float16 for group
-layouts, rounded up) and the GPTQ loop uses exactly those scales, so ``dequantize(result)`` equals the
-values GPTQ chose, bit for bit.
+point, symmetric on all ``2**b`` codes (``2 absmax / (2**b - 1)``, the reference's grid; ``full_range=False``:
+``absmax / (2**(b-1) - 1)``, 15 codes at 4 bits); or, with ``grid="search"``, static grids searched up
+front per (group, output) to minimize the ``H``-weighted output error of round to nearest
+(:func:`eqjax.methods.grid.search_grid`; not always better: see that module's notes). Scales are stored as ``scale_dtype`` (float16 for group
+layouts) and the GPTQ loop uses exactly those scales, so ``dequantize(result)`` equals the values GPTQ
+chose, bit for bit.
 
 A group size that does not divide the input width (SmolLM2's 576 with 128) leaves a shorter last group
 (576 = 4 x 128 + 64), as the reference does and as the RTN recipes store it, so GPTQ and RTN results
@@ -44,7 +47,7 @@ import scipy.linalg
 from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
 from eqjax.errors import InputError
 from eqjax.methods.rtn import concrete_spec
-from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams
+from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
 from eqjax.qarray import (QArray, QArrayError, is_quantized, per_channel, per_group, per_input_group,
                           per_output_channel, scale_shape)
 from eqjax.rules import Rule, assign
@@ -111,9 +114,9 @@ def hessian_cholesky(
     )
 
 
-def _qparams(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool, scale_dtype: str):
+def _qparams(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool, scale_dtype: str, full_range: bool = False):
     """(stored scale, float32 scale, float32 zero point) of a range; symmetric zero point 0."""
-    scale, zp = range_to_qparams(lo, hi, bits, symmetric, scale_dtype)
+    scale, zp = range_to_qparams(lo, hi, bits, symmetric, scale_dtype, full_range)
     s32 = scale.astype(jnp.float32)
     z32 = jnp.zeros_like(s32) if zp is None else zp.astype(jnp.float32)
     return scale, s32, z32, zp
@@ -121,8 +124,8 @@ def _qparams(lo: jax.Array, hi: jax.Array, bits: int, symmetric: bool, scale_dty
 
 def _quant(w, s, z, bits: int, symmetric: bool):
     if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        return jnp.clip(jnp.round(w / s), -qmax, qmax) * s
+        lo, hi = symmetric_bounds(bits)
+        return jnp.clip(jnp.round(w / s), lo, hi) * s
     return (jnp.clip(jnp.round(w / s) + z, 0, 2**bits - 1) - z) * s
 
 
@@ -149,9 +152,10 @@ def _gptq_block(w1, u1, s_cols, z_cols, *, bits: int, symmetric: bool):
     return q1, e1
 
 
-@functools.partial(jax.jit, static_argnames=("n_groups", "bits", "symmetric", "blocksize", "static", "scale_dtype", "starts"))
-def _gptq_core(W, U, perm, gid, n_groups, *, bits: int, symmetric: bool, blocksize: int, static: bool,
-               scale_dtype: str, starts: tuple[int, ...]):
+@functools.partial(jax.jit, static_argnames=("n_groups", "bits", "symmetric", "blocksize", "static", "scale_dtype",
+                                             "starts", "full_range"))
+def _gptq_core(W, U, perm, gid, n_groups, grid=None, *, bits: int, symmetric: bool, blocksize: int, static: bool,
+               scale_dtype: str, starts: tuple[int, ...], full_range: bool = False):
     """The whole GPTQ sweep of ``W [out, in]`` (dead inputs already zeroed, original order).
 
     ``U``: upper Cholesky factor of the damped inverse Hessian in permuted order; ``perm``: the
@@ -170,16 +174,18 @@ def _gptq_core(W, U, perm, gid, n_groups, *, bits: int, symmetric: bool, blocksi
         if symmetric:
             a = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
             lo, hi = -a, a
-        return _qparams(lo, hi, bits, symmetric, scale_dtype)
+        return _qparams(lo, hi, bits, symmetric, scale_dtype, full_range)
 
     def all_grids(w):
         onehot = jax.nn.one_hot(gid, n_groups, dtype=bool).T  # [n_groups, in]
         return jax.vmap(lambda m: grid_of((w, m[None, :])))(onehot)
 
-    if static:
+    if grid is not None:  # precomputed static grids (e.g. searched): stored scale and zero point
+        stored, zps = grid
+        s_all = stored.astype(jnp.float32)
+        z_all = jnp.zeros_like(s_all) if zps is None else zps.astype(jnp.float32)
+    else:  # without static groups these are placeholders, replaced per group below
         stored, s_all, z_all, zps = all_grids(W)
-    else:
-        stored, s_all, z_all, zps = all_grids(W)  # placeholders, replaced per group below
     Wp = W[:, perm]
     gp = gid[perm]
     q_blocks = []
@@ -232,16 +238,21 @@ def gptq_matrix(
     blocksize: int = 128,
     scale_dtype: str = "float16",
     max_damp_tries: int = 4,
+    full_range: bool = False,
+    grid: str = "minmax",
+    grid_kwargs: Mapping[str, Any] | None = None,
     name: str = "kernel",
     mesh: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array | None]:
     """GPTQ of a canonical weight ``w2 [K, N]`` given ``H [K, K]`` (any positive multiple of ``X^T X``).
 
     ``gid [K]`` assigns each input to one of ``n_groups`` grids (one scale per grid and output).
-    Act-order implies static grids (each input keeps the grid of its own group). Returns
-    ``(Q [K, N] float32 on the grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``;
-    ``Q`` is a numpy array, or with a multi-device ``mesh`` a jax array whose ``N`` output channels
-    were quantized split over the mesh's devices (bitwise the same values).
+    Act-order implies static grids (each input keeps the grid of its own group). ``grid="search"``:
+    static grids searched up front on the original weights, weighted by ``H``
+    (:func:`eqjax.methods.grid.search_grid` with ``grid_kwargs``). Returns ``(Q [K, N] float32 on the
+    grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``; ``Q`` is a numpy array, or
+    with a multi-device ``mesh`` (and the min/max grid) a jax array whose ``N`` output channels were
+    quantized split over the mesh's devices (bitwise the same values).
     """
     w_in = np.asarray(w2, np.float32)
     if w_in.ndim != 2:
@@ -252,21 +263,30 @@ def gptq_matrix(
         raise ValueError(f"{name}: Hessian shape {h.shape} does not match the weight's input width {n_in}")
     if blocksize < 1:
         raise ValueError(f"{name}: blocksize must be >= 1")
-    static = static_groups or act_order or n_groups == 1
+    if grid not in ("minmax", "search"):
+        raise ValueError(f"{name}: GPTQ grid must be 'minmax' or 'search', got {grid!r}")
+    static = static_groups or act_order or n_groups == 1 or grid == "search"
     W = w_in.T.copy()  # [out, in], the reference's orientation
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     W[:, dead] = 0.0
+    fixed = None
+    if grid == "search":
+        from eqjax.methods.grid import search_grid  # noqa: PLC0415
+
+        sc, zp0, _ = search_grid(W.T, h, gid, n_groups, bits=bits, symmetric=symmetric, full_range=full_range,
+                                 scale_dtype=scale_dtype, **dict(grid_kwargs or {}))
+        fixed = (sc, zp0)
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
     u, _ = hessian_cholesky(h[np.ix_(perm, perm)], percdamp, max_damp_tries=max_damp_tries, name=name)
     starts = tuple(int(np.argmax(gid == g)) for g in range(n_groups)) if not static else ()
     args = (jnp.asarray(W), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32))
     kw = dict(bits=bits, symmetric=symmetric, blocksize=int(blocksize), static=bool(static), scale_dtype=scale_dtype,
-              starts=starts)
-    if mesh is not None and mesh.size > 1 and W.shape[0] % mesh.size == 0:
+              starts=starts, full_range=bool(full_range))
+    if fixed is None and mesh is not None and mesh.size > 1 and W.shape[0] % mesh.size == 0:
         Q, scale, zp = _gptq_columns(mesh, *args, n_groups, **kw)
         return jnp.transpose(Q), scale, zp
-    Q, scale, zp = _gptq_core(*args, n_groups, **kw)
+    Q, scale, zp = _gptq_core(*args, n_groups, fixed, **kw)
     return np.asarray(Q).T, scale, zp
 
 
@@ -382,6 +402,12 @@ class GPTQ:
     sink_tokens: int = 0
     sink_weight: float = 0.0
     true_sequential: bool = False
+    full_range: bool = True
+    grid: str = "minmax"
+    grid_weighting: str = "hessian"
+    grid_n: int = 64
+    grid_min_ratio: float = 0.5
+    grid_refine: int = 4
     name: str = "gptq"
     needs_calibration = True
 
@@ -393,12 +419,23 @@ class GPTQ:
             raise ValueError(f"gptq: group_size must be an int >= 1 or None, got {self.group_size!r}")
         if not self.percdamp > 0:
             raise ValueError(f"gptq: percdamp must be > 0, got {self.percdamp}")
+        if self.grid not in ("minmax", "search"):
+            raise ValueError(f"gptq: grid must be 'minmax' or 'search', got {self.grid!r}")
+        if self.grid_weighting not in ("hessian", "diagonal", "none"):
+            raise ValueError(f"gptq: grid_weighting must be 'hessian', 'diagonal' or 'none', got {self.grid_weighting!r}")
         Rule(self.pattern, role=self.role)  # validates the pattern and role
 
     def spec(self) -> QuantSpec:
+        """The stored format. Symmetric 2..4-bit grids use all 2**b codes (``full_range``, the reference's
+        ``2 absmax / (2**b - 1)`` grid) unless ``full_range=False``."""
         gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
         sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
-        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd)
+        full = self.full_range and self.symmetric and self.bits <= 4
+        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
+
+    def grid_kwargs(self) -> dict[str, Any]:
+        return dict(weighting=self.grid_weighting, n_grid=self.grid_n, min_ratio=self.grid_min_ratio,
+                    refine=self.grid_refine)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
         cal = ctx.calibrator(self.name)
@@ -443,7 +480,8 @@ class GPTQ:
         Q2, scale, zp = gptq_matrix(
             weight_matrix(w, u), h, gid, ng, bits=self.bits, symmetric=self.symmetric, act_order=self.act_order,
             static_groups=self.static_groups, percdamp=self.percdamp, blocksize=self.blocksize,
-            scale_dtype=spec.scale_dtype, name=u.path, mesh=mesh,
+            scale_dtype=spec.scale_dtype, full_range=spec.full_range, grid=self.grid, grid_kwargs=self.grid_kwargs(),
+            name=u.path, mesh=mesh,
         )
         old = grids.get(u.path, (None, None, None))
         sp = place_grid(old[1], grids_to_param(scale, u, gran), u, gran)

@@ -27,17 +27,20 @@ def _layer(n_in=64, n_out=24, n_tok=512, seed=0):
 
 
 def _reference_gptq(w, h, bits, G, sym, act_order, percdamp=0.01, blocksize=16):
-    """Straight port of the reference fasterquant (static groups under act-order), float64."""
+    """Straight port of the reference fasterquant (static groups under act-order), float64. Its
+    symmetric grid is the reference's: ``scale = 2 absmax / (2**b - 1)``, codes ``-2**(b-1)..2**(b-1)-1``
+    (eqjax's ``full_range``)."""
     W = w.T.astype(np.float64).copy()
     H = h.astype(np.float64).copy()
     n = W.shape[1]
     dead = np.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    qmax = 2 ** (bits - 1) - 1 if sym else 2**bits - 1
+    qmax = 2**bits - 1
 
     def params(cols):
-        spec = QuantSpec(bits, sym, per_channel(0), "minmax", scale_dtype="float16" if G else "float32")
+        spec = QuantSpec(bits, sym, per_channel(0), "minmax", scale_dtype="float16" if G else "float32",
+                         full_range=sym)
         q = quantize(jnp.asarray(cols, jnp.float32), spec)
         s = np.asarray(q.scale, np.float64).reshape(-1)
         z = np.zeros_like(s) if sym else np.asarray(q.zero_point, np.float64).reshape(-1)
@@ -45,7 +48,7 @@ def _reference_gptq(w, h, bits, G, sym, act_order, percdamp=0.01, blocksize=16):
 
     def qz(x, s, z):
         if sym:
-            return np.clip(np.round(x / s), -qmax, qmax) * s
+            return np.clip(np.round(x / s), -2 ** (bits - 1), 2 ** (bits - 1) - 1) * s
         return (np.clip(np.round(x / s) + z, 0, qmax) - z) * s
 
     static = act_order and G
@@ -84,14 +87,14 @@ def test_gptq_beats_rtn_and_is_exact(sym, act_order, G, n_in):
     """n_in 80 with G 32: a short last group of 16 (as SmolLM2's 576 with 128)."""
     x, w = _layer(n_in=n_in)
     h = 2 * x.T.astype(np.float64) @ x / len(x)
-    q = gptq_quantize(w, h, bits=4, group_size=G, symmetric=sym, act_order=act_order, blocksize=16)
+    q = gptq_quantize(w, h, bits=4, group_size=G, symmetric=sym, act_order=act_order, blocksize=16, full_range=sym)
     validate(q)
     assert q.granularity == (per_group(0, G) if G else per_channel(1))
     wq = np.asarray(dequantize(q))
     # The stored QArray is exactly the reference algorithm's choice (up to float32 vs float64 ties).
     ref = _reference_gptq(w, h, 4, G, sym, act_order)
     assert np.mean(np.isclose(wq, ref, atol=1e-6)) > 0.99
-    spec = QuantSpec(4, sym, per_group(0, G) if G else per_channel(1), "minmax", scale_dtype="float16")
+    spec = QuantSpec(4, sym, per_group(0, G) if G else per_channel(1), "minmax", scale_dtype="float16", full_range=sym)
     w_rtn = np.asarray(dequantize(quantize(jnp.asarray(w), spec)))
     err_g = np.linalg.norm(x @ (w - wq))
     err_r = np.linalg.norm(x @ (w - w_rtn))

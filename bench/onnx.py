@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
+    import onnx
     import onnxruntime as ort
     import onnxruntime_genai as og
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -200,7 +201,9 @@ def main(argv=None) -> int:
         d = tmp / "ort-dynamic"
         shutil.copytree(tmp / "eqjax-fp32", d, ignore=shutil.ignore_patterns("model.onnx*"))
         quantize_dynamic(str(tmp / "eqjax-fp32" / "model.onnx"), str(d / "model.onnx"), weight_type=QuantType.QInt8,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=True)
+                         op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                         # the fused com.microsoft ops (GroupQueryAttention, ...) defeat its shape inference
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         log({"variant": "ort-dynamic", "description": "onnxruntime quantize_dynamic(QInt8 weights, MatMul) of eqjax-fp32",
              **measure(d, windows, prompt, args, genai=True)})
     if want("genai-int4") or want("genai-int4-kquant"):

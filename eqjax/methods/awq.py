@@ -44,7 +44,7 @@ from eqjax.errors import InputError
 from eqjax.methods.gptq import group_ids
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.qarray import is_quantized, per_input_group, per_output_channel
+from eqjax.qarray import is_quantized
 from eqjax.rules import Rule, assign
 from eqjax.statistics import abs_sum, xtx
 
@@ -191,10 +191,10 @@ class AWQ:
         Rule(self.pattern, role=self.role)
 
     def spec(self) -> QuantSpec:
-        gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
-        sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
-        full = self.full_range and self.symmetric and self.bits <= 4  # symmetric grids on all 2**b codes
-        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
+        """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
+        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
+
+        return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
         cal = ctx.calibrator(self.name)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 import warnings
 from typing import Any, Mapping
 
@@ -48,8 +47,7 @@ from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
 from eqjax.errors import InputError
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
-from eqjax.qarray import (QArray, QArrayError, is_quantized, per_channel, per_group, per_input_group,
-                          per_output_channel, scale_shape)
+from eqjax.qarray import QArray, QArrayError, is_quantized, per_channel, per_group, scale_shape
 from eqjax.rules import Rule, assign
 from eqjax.statistics import xtx
 
@@ -426,12 +424,10 @@ class GPTQ:
         Rule(self.pattern, role=self.role)  # validates the pattern and role
 
     def spec(self) -> QuantSpec:
-        """The stored format. Symmetric 2..4-bit grids use all 2**b codes (``full_range``, the reference's
-        ``2 absmax / (2**b - 1)`` grid) unless ``full_range=False``."""
-        gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
-        sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
-        full = self.full_range and self.symmetric and self.bits <= 4
-        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
+        """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
+        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
+
+        return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     def grid_kwargs(self) -> dict[str, Any]:
         return dict(weighting=self.grid_weighting, n_grid=self.grid_n, min_ratio=self.grid_min_ratio,

@@ -46,7 +46,7 @@ import numpy as np
 from eqjax.core.analysis import WeightUse, weight_matrix
 from eqjax.errors import InputError
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds, symmetric_divisor
-from eqjax.qarray import is_quantized, per_input_group, per_output_channel
+from eqjax.qarray import is_quantized
 from eqjax.rules import Rule, assign
 from eqjax.statistics import xtx
 
@@ -265,10 +265,10 @@ class SearchedRTN:
         Rule(self.pattern, role=self.role)
 
     def spec(self) -> QuantSpec:
-        gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
-        sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
-        full = self.full_range and self.symmetric and self.bits <= 4
-        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
+        """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
+        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
+
+        return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     def search_kwargs(self) -> dict[str, Any]:
         return dict(weighting=self.weighting, n_grid=self.n_grid, min_ratio=self.min_ratio, refine=self.refine,

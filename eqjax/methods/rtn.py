@@ -36,6 +36,18 @@ class UnusedRuleWarning(UserWarning):
     """A rule matched no parameter."""
 
 
+
+def weight_step_spec(bits: int, symmetric: bool, group_size: int | None, scale_dtype: str | None = None,
+                     full_range: bool = True) -> QuantSpec:
+    """The stored weight format of a calibrated step (GPTQ, AWQ, grid search, SignRound): groups of
+    ``group_size`` along the input (per output channel when None), float16 group scales (float32 per
+    channel) unless ``scale_dtype``, min/max ranges; symmetric 2..4-bit grids on all 2**b codes
+    (``full_range``, the reference's ``2 absmax / (2**b - 1)`` grid)."""
+    gran = per_output_channel() if group_size is None else per_input_group(group_size)
+    sd = scale_dtype or ("float16" if group_size is not None else "float32")
+    full = bool(full_range) and symmetric and bits <= 4
+    return QuantSpec(bits, symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
+
 def concrete_spec(spec: QuantSpec, an: Any, path: str, shape: tuple[int, ...]) -> QuantSpec:
     """``spec`` with its granularity resolved for the param ``path`` of ``shape``."""
     gran = resolve_granularity(spec.granularity, weight_layout(an, path, shape), shape, path)

@@ -43,11 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqjax.core.analysis import weight_matrix
 from eqjax.errors import InputError
 from eqjax.numerics import (QuantSpec, _blocked, _to_view, _unblock, compute_range, fake_quantize_grid, quantize_with,
                             range_to_qparams, round_ste)
-from eqjax.qarray import is_quantized, per_input_group, per_output_channel
+from eqjax.qarray import is_quantized
 from eqjax.rules import Rule, assign
 from eqjax.statistics import xtx
 
@@ -167,10 +166,10 @@ class SignRound:
         Rule(self.pattern, role=self.role)
 
     def spec(self) -> QuantSpec:
-        gran = per_output_channel() if self.group_size is None else per_input_group(self.group_size)
-        sd = self.scale_dtype or ("float16" if self.group_size is not None else "float32")
-        full = self.full_range and self.symmetric and self.bits <= 4
-        return QuantSpec(self.bits, self.symmetric, gran, "minmax", scale_dtype=sd, full_range=full)
+        """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
+        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
+
+        return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "SignRound":

@@ -321,3 +321,43 @@ def test_smollm2_rotated_logits_equal_the_original():
     broken = np.asarray(model.apply(with_paths(params, rot), toks)[0], np.float64)
     assert np.abs(broken - ref).max() > 50 * 2e-3 * scale
 
+
+@pytest.mark.parametrize("name,bits,act", [("w8a8-rot", 8, True), ("w4g128-rot-rtn", 4, False),
+                                           ("w4g128-rot-gptq", 4, False), ("w4a8-rot-gptq", 4, True)])
+def test_named_rotation_recipes(name, bits, act):
+    """The built-in rotated recipes, by name: a Rotation step quantizing every layer weight (down_proj
+    inside its RotatedKernel) with the recipe's bits, activations quantized where named, the untied
+    LM head float. Oracle: the float model whose weights are the dequantized kernels (down_proj's
+    rotated back explicitly, ``Q_F @ dequant(inner)``) gives the same logits as the online path
+    (weight-only; for A8 within the activation rounding), and differs from the float model."""
+    from eqjax.recipes import get_recipe
+
+    model, p, toks = _tiny("tied")
+    r = get_recipe(name)
+    assert r.name == name and isinstance(r.steps[0], Rotation)
+    q = quantize_recipe(p, r, model=model, calibration=toks)
+    flat = _flat(q)
+    kinds = {k: v for k, v in flat.items() if k.endswith("/kernel") and k.startswith("layers_")}
+    assert len(kinds) == 2 * 7
+    explicit = dict(flat)
+    for path, leaf in kinds.items():
+        qf = None
+        if path.endswith("down_proj/kernel"):
+            assert isinstance(leaf, RotatedKernel), path
+            qf = rotation_matrix(leaf.shape[0], leaf.signs())
+            leaf = leaf.kernel
+        assert isinstance(leaf, ActQuantKernel if act else QArray), path
+        w = leaf.weight if act else leaf
+        assert w.bits == bits
+        w = np.asarray(dequantize(w), np.float64)
+        explicit[path] = jnp.asarray(w if qf is None else qf @ w, jnp.float32)
+    assert not isinstance(q["lm_head"]["kernel"], (QArray, ActQuantKernel, RotatedKernel))
+    ref = np.asarray(model.apply(p, toks)[0])
+    scale = np.abs(ref).max()
+    got = np.asarray(model.apply(q, toks)[0])
+    want = np.asarray(model.apply(with_paths(q, explicit), toks)[0])
+    if act:  # per-token int8 activations: small on average (a few tokens of a random tiny model move more)
+        assert np.abs(got - want).mean() < 0.01 * scale
+    else:
+        np.testing.assert_allclose(got, want, atol=1e-4 * scale)
+    assert np.abs(got - ref).max() > 1e-3 * scale

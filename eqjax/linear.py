@@ -5,6 +5,8 @@ A linear layer's params are a mapping ``{"kernel": K, "bias"?: [N]}`` where ``K`
 * a float array ``[in, out]``: a plain matmul;
 * a :class:`~eqjax.qarray.QArray` ``[in, out]``: weight-only quantization (dequantized on the fly by
   XLA, or the packed INT4 Pallas kernel);
+* a :class:`~eqjax.qarray.RotatedKernel` ``[in, out]`` (axis 0): the input is rotated online by a
+  randomized Hadamard transform, then multiplied by its inner kernel (any of these kinds);
 * an :class:`ActQuantKernel`: the weight as a QArray plus dynamic (per-token or per-tensor) or
   static int8 activation quantization: ``int8 x int8 -> int32`` via
   ``lax.dot_general(..., preferred_element_type=int32)``, then rescaled (W8A8).
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.numerics import integer_values, dequantize
-from eqjax.qarray import ActQuantKernel, QArray
+from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel
 
 __all__ = [
     "ActQuantKernel",
@@ -262,6 +264,8 @@ def linear(x: jax.Array, layer: Mapping[str, Any], *, backend: Backend | None = 
     """
     kernel = layer["kernel"]
     bias = layer.get("bias")
+    if isinstance(kernel, RotatedKernel):  # online Hadamard of the input, then the inner kernel
+        x, kernel = kernel.rotate_input(x, axis=-1), kernel.kernel
     backend = backend or current_backend()
     lead, k_in = x.shape[:-1], x.shape[-1]
     shape = kernel_shape(kernel)

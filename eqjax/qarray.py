@@ -69,6 +69,7 @@ __all__ = [
     "codes_per_word",
     "validate",
     "ActQuantKernel",
+    "RotatedKernel",
     "is_quantized",
 ]
 
@@ -374,6 +375,66 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class RotatedKernel:
+    """A weight whose input is rotated online (QuaRot's Hadamard before ``down_proj``).
+
+    The weight's use computes ``(x @ Q) . kernel`` with ``x``'s axis paired with the weight's input
+    axis ``axis`` transformed by ``Q = diag(signs) H_n / sqrt(n)`` (:mod:`eqjax.hadamard`,
+    ``signs = random_signs(n, seed)``, ``n = shape[axis]``), so it stands for the float weight
+    ``Q . kernel`` (``Q`` applied along ``axis``) and nothing but the seed is stored besides
+    ``kernel``.
+
+    Attributes:
+      kernel: a float array, QArray or ActQuantKernel (the rotated weight; for an ActQuantKernel the
+        rotated activation is what is quantized).
+      seed: the random signs' seed.
+      axis: the weight's (only) contracted input axis.
+    """
+
+    kernel: Any
+    seed: int = 0
+    axis: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.kernel.shape)
+
+    @property
+    def dtype(self) -> Any:
+        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
+        return k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        k = self.kernel
+        return int(k.nbytes) if is_quantized(k) else int(np.prod(k.shape, dtype=np.int64)) * jnp.dtype(k.dtype).itemsize
+
+    def signs(self) -> np.ndarray:
+        from eqjax.hadamard import random_signs  # noqa: PLC0415
+
+        return random_signs(self.shape[self.axis], self.seed)
+
+    def rotate_input(self, x: jax.Array, axis: int = -1) -> jax.Array:
+        """``x @ Q`` along ``x``'s ``axis`` (the one paired with the weight's input axis)."""
+        from eqjax.hadamard import hadamard_transform  # noqa: PLC0415
+
+        return hadamard_transform(x, self.signs(), axis=axis)
+
+    def materialize(self, dtype: Any = None) -> jax.Array:
+        """The float weight this stands for: ``Q`` applied to the (dequantized) kernel along ``axis``."""
+        from eqjax.hadamard import hadamard_transform  # noqa: PLC0415
+        from eqjax.numerics import dequantize  # noqa: PLC0415
+
+        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
+        w = dequantize(k, dtype) if isinstance(k, QArray) else jnp.asarray(k, dtype)
+        return hadamard_transform(w, self.signs(), axis=self.axis, inverse=True)
+
+
+jax.tree_util.register_dataclass(RotatedKernel, data_fields=["kernel"], meta_fields=["seed", "axis"])
+
+
 def is_quantized(x: Any) -> bool:
-    """True for a QArray or an ActQuantKernel (the quantized leaves of a param tree)."""
-    return isinstance(x, (QArray, ActQuantKernel))
+    """True for a QArray, an ActQuantKernel or a RotatedKernel (the leaves a weight use must treat
+    specially: eqjax's quantized matmul, :func:`eqjax.core.qdot.weight_dot`)."""
+    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel))

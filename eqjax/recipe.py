@@ -41,7 +41,7 @@ from eqjax.pytree import Params
 
 __all__ = [
     "Context", "Step", "Recipe", "RecipeError", "quantize", "load_recipe", "recipe_from_dict", "STEP_TYPES",
-    "model_context", "window_batches",
+    "model_context", "window_batches", "with_paths",
 ]
 
 log = logging.getLogger("eqjax")
@@ -140,6 +140,24 @@ class Recipe:
         return any(getattr(s, "needs_calibration", False) for s in self.steps)
 
 
+def with_paths(template: Any, flat: Mapping[str, Any]) -> Any:
+    """``template`` with the leaf at each path of ``flat`` replaced; paths it lacks are added as new
+    leaves of nested dicts (a step may add a param, e.g. :class:`~eqjax.methods.rotation.Rotation`
+    unties a tied LM head). Adding under a non-dict node is a :class:`RecipeError`."""
+    from eqjax.pytree import flatten_with_paths, unflatten_paths  # noqa: PLC0415
+
+    tree = unflatten_paths(flat, template)
+    known = set(flatten_with_paths(template)[0])
+    for path in (p for p in flat if p not in known):
+        node, parts = tree, path.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+            if node is None or not isinstance(node, dict):
+                raise RecipeError(f"a step added the param {path!r} under a node that is not a dict")
+        node[parts[-1]] = flat[path]
+    return tree
+
+
 def window_batches(windows: Any, batch_size: int = 8) -> list[tuple[Any, ...]]:
     """Token windows ``[n, T]`` as batches of equal size (the largest divisor of ``n`` <= ``batch_size``)."""
     w = np.asarray(windows)
@@ -182,6 +200,7 @@ def _model_logits(model: Any) -> Callable[..., Any]:
 # method name -> "module:Class"; each class has ``from_config(dict) -> step``.
 STEP_TYPES: dict[str, str] = {
     "rtn": "eqjax.methods.rtn:RTN",
+    "rotation": "eqjax.methods.rotation:Rotation",
     "gptq": "eqjax.methods.gptq:GPTQ",
     "awq": "eqjax.methods.awq:AWQ",
     "smoothquant": "eqjax.methods.smoothquant:SmoothQuant",
@@ -334,7 +353,7 @@ def quantize(
         t0 = time.perf_counter()
         flat = step(flat, ctx)
         log.info("recipe %s: step %s took %.2fs", recipe.name, step.name, time.perf_counter() - t0)
-    out = unflatten_paths(flat, params)
+    out = with_paths(params, flat)
     if recipe.steps:
         try:
             check_params(out, f"output of recipe {recipe.name!r}", allow_int=True)

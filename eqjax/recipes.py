@@ -118,6 +118,17 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
                                       "AWQ scales, then GPTQ W4 asymmetric group 128, act-order"),
     "w3g128-awq": lambda: Recipe("w3g128-awq", (_awq(bits=3), RTN((weight_rule(3, symmetric=False, group=128),))),
                                  "AWQ scales + clipping, then W3 asymmetric group-128 RTN"),
+    # Rotations (QuaRot; eqjax.methods.rotation): residual stream rotated by a randomized Hadamard with
+    # the norm scales folded, per-head Hadamard on values / o_proj, online Hadamard before down_proj;
+    # the tied LM head is untied by the rotation and kept float (as the other recipes keep the table).
+    "w8a8-rot": lambda: _rot("w8a8-rot", "Rotation + W8 per-channel + A8 per-token dynamic (RTN)",
+                             RTN((weight_rule(8, act_bits=8, pattern=_LAYERS),))),
+    "w4g128-rot-rtn": lambda: _rot("w4g128-rot-rtn", "Rotation + W4 asymmetric group 128 RTN",
+                                   RTN((weight_rule(4, symmetric=False, group=128, pattern=_LAYERS),))),
+    "w4g128-rot-gptq": lambda: _rot("w4g128-rot-gptq", "Rotation + GPTQ W4 asymmetric group 128, act-order",
+                                    _gptq(bits=4, pattern=_LAYERS)),
+    "w4a8-rot-gptq": lambda: _rot("w4a8-rot-gptq", "Rotation + GPTQ W4 asymmetric group 128 + A8 per-token dynamic",
+                                  _gptq(bits=4, pattern=_LAYERS), act_bits=8),
 }
 
 # ---- issue 13: searched grids (:mod:`eqjax.methods.grid`) and learned rounding
@@ -155,6 +166,7 @@ ISSUE13: dict[str, Callable[[], Recipe]] = {
 }
 RECIPES.update(ISSUE13)
 
+
 def _search(**kw):
     from eqjax.methods.grid import SearchedRTN  # noqa: PLC0415
 
@@ -168,6 +180,15 @@ def _signround(**kw):
     from eqjax.methods.signround import SignRound  # noqa: PLC0415
 
     return SignRound(**{**_G128, "init": "search", "time_budget": SIGNROUND_BUDGET_S, **kw})
+
+
+_LAYERS = r"layers_\d+/.*"
+
+
+def _rot(name: str, description: str, *then, act_bits: int | None = None) -> Recipe:
+    from eqjax.methods.rotation import Rotation  # noqa: PLC0415
+
+    return Recipe(name, (Rotation(then=tuple(then), act_bits=act_bits),), description)
 
 
 def _gptq(**kw):

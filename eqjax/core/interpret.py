@@ -26,7 +26,7 @@ import jax
 
 from eqjax.core.analysis import Analysis, EmbeddingUse, WeightUse
 from eqjax.core.program import Lit, Node, Program, Ref
-from eqjax.qarray import is_quantized
+from eqjax.qarray import RotatedKernel, is_quantized
 
 __all__ = ["run", "evaluate", "DotHook", "bind", "apply_view", "view_nodes"]
 
@@ -70,6 +70,8 @@ def apply_view(prog: Program, use: WeightUse | EmbeddingUse, w: Any) -> Any:
 def _dequantized(w: Any, dtype: Any = None) -> Any:
     from eqjax.numerics import dequantize  # noqa: PLC0415 - numerics imports nothing from core
 
+    if isinstance(w, RotatedKernel):
+        return w.materialize(dtype)
     q = w.weight if hasattr(w, "weight") else w
     return dequantize(q, dtype)
 

@@ -6,6 +6,8 @@
   (its contracted axes in the weight's canonical order), quantized per token and multiplied in
   integers by :func:`eqjax.linear.act_quant_matmul` (``int8 x int8 -> int32``); the ``[M, N]`` result
   is put back into the dot's own output layout. Any weight rank and either operand side.
+* :class:`~eqjax.qarray.RotatedKernel`: the activation is rotated along its contracted axis (fast
+  Hadamard transform, :mod:`eqjax.hadamard`), then the inner kernel's dot as above (float or quantized).
 * :class:`~eqjax.qarray.QArray` (weight-only): with a Pallas backend and a plain ``[in, out]``
   right-hand weight, the packed kernel; otherwise the weight is dequantized in the param's own
   layout, its layout ops replayed, and the dot bound as the model wrote it (same numerics as the
@@ -27,7 +29,7 @@ from eqjax.core.program import Node, Program
 from eqjax.errors import InputError
 from eqjax.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
 from eqjax.numerics import dequantize
-from eqjax.qarray import ActQuantKernel, QArray
+from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, is_quantized
 
 __all__ = ["weight_dot", "embedding_gather", "activation_rows", "assemble_output"]
 
@@ -61,8 +63,17 @@ def _plain(use: WeightUse) -> bool:
 
 
 def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) -> jax.Array:
-    """The dot at ``use`` with the quantized param ``w`` (QArray or ActQuantKernel)."""
+    """The dot at ``use`` with the quantized param ``w`` (QArray, ActQuantKernel or RotatedKernel)."""
     out_dtype = prog.avals[node.outs[0]].dtype
+    if isinstance(w, RotatedKernel):
+        if use.contracting != (w.axis,) or use.batch or use.view.index:
+            raise InputError(f"{use.path}: an online-rotated weight must be used with its axis {w.axis} as the only "
+                             f"contracted axis (found {use.contracting}) and no batch or stacked axes")
+        x = w.rotate_input(x, axis=use.x_contracting[0])
+        if is_quantized(w.kernel):
+            return weight_dot(prog, use, node, x, w.kernel)
+        operand = apply_view(prog, use, w.kernel)
+        return bind(node, [x, operand] if use.side == 1 else [operand, x])[0]
     if isinstance(w, ActQuantKernel):
         if use.batch or use.view.index:
             raise InputError(f"{use.path}: activation quantization needs a weight used without batch or "
@@ -79,6 +90,8 @@ def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) 
 
 def embedding_gather(prog: Program, emb: EmbeddingUse, node: Node, w: Any, indices: jax.Array) -> jax.Array:
     """The row gather at ``emb`` from a quantized table: only the looked-up rows are dequantized."""
+    if isinstance(w, RotatedKernel):
+        return bind(node, [apply_view(prog, emb, w.materialize(w.dtype)), indices])[0]
     q = w.weight if isinstance(w, ActQuantKernel) else w
     out = prog.avals[node.outs[0]]
     identity = emb.view.axes == tuple(range(len(q.shape))) and not emb.view.index

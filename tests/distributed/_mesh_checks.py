@@ -15,7 +15,9 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# on a loaded 2-core machine a device thread can reach a collective late: wait longer than XLA's 40 s default
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=600 "
+                           "--xla_cpu_collective_timeout_seconds=600")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402

@@ -13,7 +13,9 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# on a loaded 2-core machine a device thread can reach a collective late: wait longer than XLA's 40 s default
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=600 "
+                           "--xla_cpu_collective_timeout_seconds=600")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -700,7 +700,9 @@ def _run_cmd(fx: Fixtures, out: pathlib.Path, recipes: str, *extra: str) -> list
 def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = signal.SIGKILL) -> str | None:
     out = work / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    p = subprocess.Popen([sys.executable, *_run_cmd(fx, out, "fp,w8,w4g128-rtn,w8a8-naive")], cwd=str(ROOT),
+    # enough recipes after the second row that the kill lands before the run ends, even on a loaded machine
+    names = "fp,w8,w4g128-rtn,w8a8-naive,w8-absmax,w8-zeropoint,w4g128-rtn-sym,w8a8-zeroquant"
+    p = subprocess.Popen([sys.executable, *_run_cmd(fx, out, names)], cwd=str(ROOT),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     rows = out / "rows.jsonl"
     t0 = time.time()
@@ -718,12 +720,12 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
     kept = [json.loads(x) for x in rows.read_text().splitlines()[1:] if x.strip().endswith("}")]
     if not kept:
         return "loss: no finished row kept after the kill"
-    r = subprocess.run([sys.executable, *_run_cmd(fx, out, "fp,w8,w4g128-rtn,w8a8-naive", "--resume")], cwd=str(ROOT),
+    r = subprocess.run([sys.executable, *_run_cmd(fx, out, names, "--resume")], cwd=str(ROOT),
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         return f"--resume failed: {r.stderr.strip().splitlines()[-1:]}"
     res = json.loads((out / "results.json").read_text())["results"]
-    if [x["recipe"] for x in res] != ["fp", "w8", "w4g128-rtn", "w8a8-naive"]:
+    if [x["recipe"] for x in res] != names.split(","):
         return f"resumed rows {[x['recipe'] for x in res]}"
     if res[0]["ppl"] != kept[0]["row"]["ppl"]:
         return "loss: a kept row was measured again"

@@ -92,14 +92,7 @@ def run(
     stop = len(prog.nodes) if stop is None else stop
 
     def read(r: Ref) -> Any:
-        if isinstance(r, Lit):
-            return r.value
-        if r in env:
-            v = env[r]
-        elif r in prog.param_of:
-            v = params[prog.param_of[r]]
-        else:
-            v = prog.consts[r]
+        v = _lookup(prog, env, params, r)
         if isinstance(v, _Deferred):
             w = _dequantized(params[v.path])
             for n in v.chain:
@@ -150,6 +143,17 @@ _VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "transpose", "resh
                     "broadcast_in_dim", "slice"})
 
 
+def _lookup(prog: Program, env: Mapping[int, Any], params: Mapping[str, Any], r: Ref) -> Any:
+    """The value behind ``r``: a literal, a computed value, a param (by path) or a constant."""
+    if isinstance(r, Lit):
+        return r.value
+    if r in env:
+        return env[r]
+    if r in prog.param_of:
+        return params[prog.param_of[r]]
+    return prog.consts[r]
+
+
 def evaluate(prog: Program, an: Analysis, params: Mapping[str, Any], args: Sequence[Any], *,
              dot_hook: DotHook | None = None) -> Any:
     """The program's output pytree for ``params`` (by path) and the array arguments ``args``."""
@@ -159,14 +163,7 @@ def evaluate(prog: Program, an: Analysis, params: Mapping[str, Any], args: Seque
     run(prog, an, env, params, dot_hook=dot_hook)
 
     def out(r: Ref) -> Any:
-        if isinstance(r, Lit):
-            return r.value
-        if r in env:
-            v = env[r]
-        elif r in prog.param_of:
-            v = params[prog.param_of[r]]
-        else:
-            v = prog.consts[r]
+        v = _lookup(prog, env, params, r)
         return _dequantized(v) if is_quantized(v) else v
 
     return jax.tree_util.tree_unflatten(prog.out_tree, [out(r) for r in prog.outputs])

@@ -44,8 +44,7 @@ from eqjax.errors import InputError
 from eqjax.methods.gptq import group_ids
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.qarray import is_quantized
-from eqjax.rules import Rule, assign
+from eqjax.rules import Rule
 from eqjax.statistics import abs_sum, xtx
 
 __all__ = ["AWQ", "search_scale", "search_clip", "apply_fold", "NO_CLIP"]
@@ -197,12 +196,10 @@ class AWQ:
         return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        cal = ctx.calibrator(self.name)
+        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
+
+        cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
-        chosen, _ = assign(params, (Rule(self.pattern, self.spec(), role=self.role),), an.roles)
-        targets = {p for p in chosen if not is_quantized(params[p])}
-        if not targets:
-            raise InputError(f"{self.name}: no float matmul weight matches pattern {self.pattern!r}")
         want = {"xtx": xtx(), "abs_mean": abs_sum()}
         skipped: list[str] = []
 

@@ -47,8 +47,8 @@ from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
 from eqjax.errors import InputError
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
-from eqjax.qarray import QArray, QArrayError, is_quantized, per_channel, per_group, scale_shape
-from eqjax.rules import Rule, assign
+from eqjax.qarray import QArray, QArrayError, per_channel, per_group, scale_shape
+from eqjax.rules import Rule
 from eqjax.statistics import xtx
 
 __all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_ids", "group_size_for", "hessian_cholesky"]
@@ -434,13 +434,10 @@ class GPTQ:
                     refine=self.grid_refine)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        cal = ctx.calibrator(self.name)
+        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
+
+        cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
-        rule = Rule(self.pattern, self.spec(), role=self.role)
-        chosen, _ = assign(params, (rule,), an.roles)
-        targets = {p for p in chosen if not is_quantized(params[p])}
-        if not targets:
-            raise InputError(f"{self.name}: no float matmul weight matches pattern {self.pattern!r}")
         grids: dict[str, list] = {}
 
         def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:

@@ -46,8 +46,7 @@ import numpy as np
 from eqjax.core.analysis import WeightUse, weight_matrix
 from eqjax.errors import InputError
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds, symmetric_divisor
-from eqjax.qarray import is_quantized
-from eqjax.rules import Rule, assign
+from eqjax.rules import Rule
 from eqjax.statistics import xtx
 
 __all__ = ["search_grid", "grid_blocks", "weighted_error", "SearchedRTN", "Weighting"]
@@ -278,12 +277,10 @@ class SearchedRTN:
         from eqjax.methods.gptq import grids_to_param, group_ids, place_grid  # noqa: PLC0415
         from eqjax.methods.rtn import concrete_spec  # noqa: PLC0415
 
-        cal = ctx.calibrator(self.name)
+        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
+
+        cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
-        chosen, _ = assign(params, (Rule(self.pattern, self.spec(), role=self.role),), an.roles)
-        targets = {p for p in chosen if not is_quantized(params[p])}
-        if not targets:
-            raise InputError(f"{self.name}: no float matmul weight matches pattern {self.pattern!r}")
         grids: dict[str, tuple] = {}
 
         def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:

@@ -54,6 +54,17 @@ def concrete_spec(spec: QuantSpec, an: Any, path: str, shape: tuple[int, ...]) -
     return dataclasses.replace(spec, granularity=gran)
 
 
+def step_targets(step: Any, params: Mapping[str, Any], ctx: Any) -> tuple[Any, set[str]]:
+    """A calibrated step's calibrator and the still-float matmul weights its ``pattern`` / ``role`` select
+    (``step.spec()`` checks that they can hold its format); :class:`InputError` naming the step if none."""
+    cal = ctx.calibrator(step.name)
+    chosen, _ = assign(params, (Rule(step.pattern, step.spec(), role=step.role),), cal.analysis.roles)
+    targets = {p for p in chosen if not is_quantized(params[p])}
+    if not targets:
+        raise InputError(f"{step.name}: no float matmul weight matches pattern {step.pattern!r}")
+    return cal, targets
+
+
 def quantize_by_rules(params: Mapping[str, Any], rules: tuple[Rule, ...], ctx: Any = None, *,
                       warn_unused: bool = True, step: str = "rtn", report: bool = True) -> dict[str, Any]:
     """Quantize every param (by path) whose first matching rule has a weight spec.

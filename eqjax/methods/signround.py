@@ -43,11 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqjax.errors import InputError
 from eqjax.numerics import (QuantSpec, _blocked, _to_view, _unblock, compute_range, fake_quantize_grid, quantize_with,
                             range_to_qparams, round_ste)
 from eqjax.qarray import is_quantized
-from eqjax.rules import Rule, assign
+from eqjax.rules import Rule
 from eqjax.statistics import xtx
 
 __all__ = ["SignRound", "shared_jit"]
@@ -181,12 +180,10 @@ class SignRound:
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
         from eqjax.methods.rtn import concrete_spec  # noqa: PLC0415
 
-        cal = ctx.calibrator(self.name)
+        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
+
+        cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
-        chosen, _ = assign(params, (Rule(self.pattern, self.spec(), role=self.role),), an.roles)
-        targets = {p for p in chosen if not is_quantized(params[p])}
-        if not targets:
-            raise InputError(f"{self.name}: no float matmul weight matches pattern {self.pattern!r}")
         rng = np.random.default_rng(self.seed + int(getattr(ctx, "seed", 0)))
         report: dict[str, dict[str, float]] = {}
         object.__setattr__(self, "report", report)  # per-block figures, for reports; not part of the hash

@@ -702,8 +702,11 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     # enough recipes after the second row that the kill lands before the run ends, even on a loaded machine
     names = "fp,w8,w4g128-rtn,w8a8-naive,w8-absmax,w8-zeropoint,w4g128-rtn-sym,w8a8-zeroquant"
+    # Ctrl-C as a user's shell delivers it: the child starts with SIGINT at its default even if something
+    # earlier in this test process left it ignored (an ignored SIGINT is inherited across exec)
     p = subprocess.Popen([sys.executable, *_run_cmd(fx, out, names)], cwd=str(ROOT),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     rows = out / "rows.jsonl"
     t0 = time.time()
     while time.time() - t0 < 180:

@@ -26,7 +26,6 @@ def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndar
 
     say = progress or (lambda s: None)
     numel = sum(L.numel for L in res.layers)
-    fixed = res.total_bytes - res.searched_bytes
     fp = perplexity(model, params, windows)
     fp_bytes16 = sum(int(np.prod(np.shape(x))) for _, x in flatten(params)) * 2
     pts: list[dict[str, Any]] = [{"kind": "fp32", "ppl": fp.ppl, "total_bytes": tree_nbytes(params),
@@ -51,7 +50,6 @@ def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndar
         run(f"searched {p['budget_bits']}b", p["picks"], {"budget_bits": p["budget_bits"],
                                                          "proxy_error": p["proxy_error"],
                                                          "choice_counts": p["choice_counts"]})
-    del fixed
     return pts
 
 

@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
-from eqjax.errors import EXIT_INPUT, EXIT_INTERRUPTED, InputError, OutputError, describe, exit_code
+from eqjax.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, InputError, OutputError, describe, exit_code
 
 __all__ = ["main", "build_parser"]
 
@@ -529,8 +529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - the one place every error becomes a line and an exit code
         if debug:
             traceback.print_exc()
-        print(f"eqjax: error: {describe(e)}", file=sys.stderr)
-        return exit_code(e)
+        from eqjax.distributed.runtime import collective_failure
+
+        peer = collective_failure(e)  # a dead peer: the watchdog names it and ends the process first
+        print(f"eqjax: error: {peer or describe(e)}", file=sys.stderr)
+        return EXIT_RUNTIME if peer else exit_code(e)
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)

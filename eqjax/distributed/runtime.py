@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -29,7 +30,7 @@ from eqjax.errors import RuntimeFailure
 __all__ = [
     "DistributedError", "DistributedInfo", "init_distributed", "add_distributed_args", "init_from_args",
     "finish", "shutdown_distributed", "is_main_process", "process_count", "write_once", "barrier", "broadcast_str",
-    "kv_client", "set_stage", "DEFAULT_TIMEOUT_S",
+    "kv_client", "set_stage", "collective_failure", "DEFAULT_TIMEOUT_S",
 ]
 
 log = logging.getLogger("eqjax")
@@ -289,3 +290,25 @@ def shutdown_distributed() -> None:
         _STATE.watchdog = None
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """One line for an error a collective raised in a multi-process job, after the watchdog's verdict.
+
+    When a peer dies mid-collective, the survivors' transport fails at once (gloo: ``Connection reset
+    by peer``), before the heartbeat timeout has named the dead process. This waits up to the
+    watchdog's timeout so that it can end the process with its own line naming the peer; if every
+    peer is still alive, the failure is the transport's: described here. ``None`` when ``exc`` is not
+    a JAX runtime error or no watchdog runs (single process).
+    """
+    wd = _STATE.watchdog
+    runtime_errors = tuple(t for t in (getattr(jax.errors, "JaxRuntimeError", None),) if t is not None)
+    if wd is None or not runtime_errors or not isinstance(exc, runtime_errors):
+        return None
+    wd.stage = f"{wd.stage}, then a collective failed"
+    deadline = time.monotonic() + wd.timeout + 3 * wd.interval
+    while time.monotonic() < deadline:  # the watchdog thread ends the process if a peer is dead
+        time.sleep(wd.interval)
+    first = " ".join(str(exc).split())[:300]
+    return (f"process {jax.process_index()} of {jax.process_count()}: a collective with the other processes failed "
+            f"while every peer kept its heartbeat (network or transport problem): {first}")

@@ -44,6 +44,9 @@ def explain_abort(log: str, coordinator: str = "") -> str:
     if m:
         ids = ", ".join(m.group(1).split())
         return f"process {ids} stopped sending heartbeats (died, killed or hung)"
+    if "RegisterTask" in log:
+        return (f"could not join the job: the coordinator (process 0 at {coordinator or '?'}) did not answer "
+                "(is process 0 running, and is that address reachable from this host?)")
     if re.search(r"leader task was preempted/died|Failed to send RPC to coordination service|"
                  r"coordination service .*(unavailable|Socket closed)", log, re.S | re.I):
         return f"lost the coordinator (process 0 at {coordinator or '?'}): it died or is unreachable"

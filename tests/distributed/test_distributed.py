@@ -171,3 +171,25 @@ def test_host_rows_and_write_once(tmp_path):
     D.write_once(path, lambda p: p.write_text("x"))
     assert path.read_text() == "x"
     D.barrier("noop")
+
+
+@pytest.mark.parametrize("log, expect", [
+    ("F1124 08:06:26.835111 28553 client.h:80] Terminating process because the JAX distributed service detected "
+     "fatal errors. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordination.CoordinationService/"
+     "RegisterTask\n*** Check failure stack trace: ***\n", "could not join the job: the coordinator (process 0 at h:1)"),
+    ("E1124 coordination_service.cc:1] The following tasks are unhealthy (stopped sending heartbeats):\n 1\n",
+     "process 1 stopped sending heartbeats"),
+    ("F1124 x.cc:1] leader task was preempted/died\n", "lost the coordinator (process 0 at h:1)"),
+    ("", "the process ended abnormally"),
+])
+def test_explain_abort_names_what_happened(log, expect):
+    """The supervisor's reading of the JAX runtime's last lines (captured from real failed runs)."""
+    from eqjax.distributed.supervise import explain_abort
+
+    assert explain_abort(log, "h:1").startswith(expect)
+
+
+def test_collective_failure_is_none_without_a_job():
+    from eqjax.distributed.runtime import collective_failure
+
+    assert collective_failure(RuntimeError("x")) is None

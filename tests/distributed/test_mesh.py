@@ -66,3 +66,20 @@ def test_model_parallel_splits_weights_and_matches_one_device():
         assert res[f"{rec}@model"]["differ"] == 0 and res[f"{rec}@model"]["max_abs"] == 0.0, res[f"{rec}@model"]
         b = res[f"{rec}@model:bytes"]
         assert b["per_device_max"] <= 0.3 * b["total"], b  # a quarter, plus small replicated leaves
+
+
+@pytest.mark.slow
+def test_model_parallel_example_on_eight_devices():
+    """examples/model_parallel.py: 8 forced devices, ``model 8``; a device holds <= 1/4 of the
+    weights (float at rest and quantized), and the quantized params equal one device's bit for bit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    cmd = ["timeout", "-s", "KILL", str(TIMEOUT_S), sys.executable, str(ROOT / "examples" / "model_parallel.py")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, f"example failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["devices"] == 8 and res["mesh"] == {"data": 1, "model": 8}
+    assert res["float_per_device_max"] <= res["float_total"] / 4, res
+    for rec in ("w4g128-gptq", "w8a8-smoothquant"):
+        assert res[rec]["leaves"] > 0 and res[rec]["differ"] == 0, res[rec]
+        assert res[rec]["per_device_max"] <= res[rec]["total"] / 4, res[rec]
+    assert "P(None, 'model')" in r.stdout  # the printed shardings

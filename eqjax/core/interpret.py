@@ -24,11 +24,13 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import jax
 
-from eqjax.core.analysis import Analysis, EmbeddingUse, WeightUse
+from eqjax.core.analysis import Analysis, WeightUse
 from eqjax.core.program import Lit, Node, Program, Ref
+from eqjax.core.qdot import embedding_gather, weight_dot
+from eqjax.core.views import apply_view, bind
 from eqjax.qarray import RotatedKernel, is_quantized
 
-__all__ = ["run", "evaluate", "DotHook", "bind", "apply_view", "view_nodes"]
+__all__ = ["run", "evaluate", "DotHook"]
 
 DotHook = Callable[[WeightUse, Any, Any, Callable[[Any, Any], Any]], Any]
 """``(use, x, w, default) -> y``; ``default(x, w)`` computes the use's dot for any leaf ``w``."""
@@ -40,31 +42,6 @@ class _Deferred:
 
     path: str
     chain: tuple[Node, ...]
-
-
-def bind(node: Node, vals: Sequence[Any]) -> list[Any]:
-    """``node.prim`` applied to ``vals`` with the node's own params."""
-    out = node.prim.bind(*vals, **node.prim.get_bind_params(dict(node.params)))
-    return list(out) if node.prim.multiple_results else [out]
-
-
-def view_nodes(prog: Program, use: WeightUse | EmbeddingUse) -> tuple[Node, ...]:
-    """The layout nodes from the param to the use's weight operand, in execution order."""
-    node = prog.nodes[use.node]
-    ref = node.ins[use.side] if isinstance(use, WeightUse) else node.ins[0]
-    chain = []
-    while ref != use.view.value:
-        n = prog.nodes[prog.producer[ref]]
-        chain.append(n)
-        ref = n.ins[0]
-    return tuple(reversed(chain))
-
-
-def apply_view(prog: Program, use: WeightUse | EmbeddingUse, w: Any) -> Any:
-    """The use's weight operand computed from the float param ``w``."""
-    for n in view_nodes(prog, use):
-        w = bind(n, [w] + [r.value for r in n.ins[1:]])[0]
-    return w
 
 
 def _dequantized(w: Any, dtype: Any = None) -> Any:
@@ -87,8 +64,6 @@ def run(
     dot_hook: DotHook | None = None,
 ) -> MutableMapping[int, Any]:
     """Evaluate nodes ``[start, stop)`` into ``env`` (which must hold their inputs); returns ``env``."""
-    from eqjax.core.qdot import embedding_gather, weight_dot  # noqa: PLC0415
-
     stop = len(prog.nodes) if stop is None else stop
 
     def read(r: Ref) -> Any:

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from eqjax.core.analysis import EmbeddingUse, WeightUse
-from eqjax.core.interpret import apply_view, bind
 from eqjax.core.program import Node, Program
+from eqjax.core.views import apply_view, bind
 from eqjax.errors import InputError
 from eqjax.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
 from eqjax.numerics import dequantize

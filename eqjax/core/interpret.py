@@ -28,7 +28,8 @@ from eqjax.core.analysis import Analysis, WeightUse
 from eqjax.core.program import Lit, Node, Program, Ref
 from eqjax.core.qdot import embedding_gather, weight_dot
 from eqjax.core.views import apply_view, bind
-from eqjax.qarray import RotatedKernel, is_quantized
+from eqjax.numerics import dequantize_leaf
+from eqjax.qarray import is_quantized
 
 __all__ = ["run", "evaluate", "DotHook"]
 
@@ -42,15 +43,6 @@ class _Deferred:
 
     path: str
     chain: tuple[Node, ...]
-
-
-def _dequantized(w: Any, dtype: Any = None) -> Any:
-    from eqjax.numerics import dequantize  # noqa: PLC0415 - numerics imports nothing from core
-
-    if isinstance(w, RotatedKernel):
-        return w.materialize(dtype)
-    q = w.weight if hasattr(w, "weight") else w
-    return dequantize(q, dtype)
 
 
 def run(
@@ -69,11 +61,11 @@ def run(
     def read(r: Ref) -> Any:
         v = _lookup(prog, env, params, r)
         if isinstance(v, _Deferred):
-            w = _dequantized(params[v.path])
+            w = dequantize_leaf(params[v.path])
             for n in v.chain:
                 w = bind(n, [w] + [x.value for x in n.ins[1:]])[0]
             return w
-        return _dequantized(v) if is_quantized(v) else v
+        return dequantize_leaf(v) if is_quantized(v) else v
 
     def raw(r: Ref) -> Any:
         if isinstance(r, int):
@@ -139,6 +131,6 @@ def evaluate(prog: Program, an: Analysis, params: Mapping[str, Any], args: Seque
 
     def out(r: Ref) -> Any:
         v = _lookup(prog, env, params, r)
-        return _dequantized(v) if is_quantized(v) else v
+        return dequantize_leaf(v) if is_quantized(v) else v
 
     return jax.tree_util.tree_unflatten(prog.out_tree, [out(r) for r in prog.outputs])

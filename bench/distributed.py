@@ -71,7 +71,9 @@ def worker(args: argparse.Namespace) -> None:
     mesh = jax.make_mesh((n,), ("data",))
     x = np.random.default_rng(0).standard_normal((TOKENS, K)).astype(np.float32)
     xg = D.global_batch(x[D.host_rows(TOKENS)], mesh, "data")
-    stats = {"absmax": D.channel_absmax(), "xtx": D.xtx(), "count": D.row_count()}
+    from eqjax import statistics as S
+
+    stats = {"absmax": S.absmax(), "xtx": S.xtx(), "count": S.count()}
     f_stats = D.sharded_statistics(stats, mesh, "data", num_blocks=BLOCKS)
     t_stats = _measure(f_stats, xg, args.reps)
 

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_dist(p)
 
     p = sub.add_parser("search", help="mixed-precision bit-width search under a size budget")
-    add_search = _optional("eqjax.search", "add_search_args")
+    add_search = _optional("eqjax.search_cli", "add_search_args")
     if add_search:
         add_search(p)
         _add_overwrite(p, "the result files in --out")
@@ -440,7 +440,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _cmd_search(args: argparse.Namespace) -> int:
     from eqjax.atomic import check_output_dir
 
-    search_main = _optional("eqjax.search", "search_main")
+    search_main = _optional("eqjax.search_cli", "search_main")
     if search_main is None:
         return _not_built("search")(args)
     _check_model_path(getattr(args, "model", None), gguf_only=True)

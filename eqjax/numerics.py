@@ -49,11 +49,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.hadamard import hadamard_transform
 from eqjax.qarray import (
     SUPPORTED_BITS,
+    ActQuantKernel,
     Granularity,
     QArray,
     QArrayError,
+    RotatedKernel,
     code_range,
     codes_per_word,
     implicit_zero_point,
@@ -69,6 +72,7 @@ __all__ = [
     "quantize",
     "quantize_with",
     "dequantize",
+    "dequantize_leaf",
     "fake_quantize",
     "compute_range",
     "range_to_qparams",
@@ -445,6 +449,17 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     view, _ = _blocked(iv, q.granularity)
     x = _unblock(view * _to_view(q.scale.astype(jnp.float32), q.granularity), q.granularity, q.shape)
     return x.astype(dtype or q.dtype)
+
+
+def dequantize_leaf(w: QArray | ActQuantKernel | RotatedKernel | jax.Array, dtype=None) -> jax.Array:
+    """The float weight a param leaf stands for, in the leaf's own layout and shape (``dtype`` defaults
+    to the leaf's): a QArray dequantized, an ActQuantKernel's weight, a RotatedKernel's ``Q`` applied to
+    its (dequantized) kernel along its ``axis``; a float array as is."""
+    if isinstance(w, RotatedKernel):
+        return hadamard_transform(dequantize_leaf(w.kernel, dtype), w.signs(), axis=w.axis, inverse=True)
+    if isinstance(w, ActQuantKernel):
+        w = w.weight
+    return dequantize(w, dtype) if isinstance(w, QArray) else jnp.asarray(w, dtype)
 
 
 def fake_quantize(x: jax.Array, spec: QuantSpec, *, straight_through: bool = False) -> jax.Array:

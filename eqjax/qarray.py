@@ -421,15 +421,6 @@ class RotatedKernel:
 
         return hadamard_transform(x, self.signs(), axis=axis)
 
-    def materialize(self, dtype: Any = None) -> jax.Array:
-        """The float weight this stands for: ``Q`` applied to the (dequantized) kernel along ``axis``."""
-        from eqjax.hadamard import hadamard_transform  # noqa: PLC0415
-        from eqjax.numerics import dequantize  # noqa: PLC0415
-
-        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
-        w = dequantize(k, dtype) if isinstance(k, QArray) else jnp.asarray(k, dtype)
-        return hadamard_transform(w, self.signs(), axis=self.axis, inverse=True)
-
 
 jax.tree_util.register_dataclass(RotatedKernel, data_fields=["kernel"], meta_fields=["seed", "axis"])
 

@@ -38,6 +38,9 @@ class Statistic(NamedTuple):
       merge: ``"max"``, ``"min"`` or ``"sum"``, leaf-wise
         (``partial(concat(a, b)) == merge(partial(a), partial(b))`` up to float rounding of sums).
       finalize: ``state -> value``.
+      channel_local: output channel ``k`` (the last axis of the state and value) reads only input
+        channel ``k``, so ``partial(x[:, a:b], w) == partial(x, w)[a:b]``: it can run on activations
+        sharded along ``K`` without gathering them (:mod:`eqjax.distributed.sharded`).
     """
 
     name: str
@@ -45,6 +48,7 @@ class Statistic(NamedTuple):
     partial: Callable[[jax.Array, jax.Array], Any]
     merge: Literal["max", "min", "sum"]
     finalize: Callable[[Any], Any] = lambda s: s
+    channel_local: bool = False
 
 
 def merge(stat: Statistic, a: Any, b: Any) -> Any:
@@ -66,7 +70,7 @@ def absmax() -> Statistic:
     """Per-channel ``max |x|`` over rows with weight > 0 (float32 ``[K]``)."""
     return Statistic(
         "absmax", lambda k: jnp.zeros((k,), jnp.float32),
-        lambda x, w: jnp.max(jnp.where(w[:, None] > 0, jnp.abs(_f32(x)), 0.0), axis=0), "max",
+        lambda x, w: jnp.max(jnp.where(w[:, None] > 0, jnp.abs(_f32(x)), 0.0), axis=0), "max", channel_local=True,
     )
 
 
@@ -75,7 +79,7 @@ def maximum() -> Statistic:
     """Per-channel ``max x`` (``-inf`` before any row)."""
     return Statistic(
         "max", lambda k: jnp.full((k,), -jnp.inf, jnp.float32),
-        lambda x, w: jnp.max(jnp.where(w[:, None] > 0, _f32(x), -jnp.inf), axis=0), "max",
+        lambda x, w: jnp.max(jnp.where(w[:, None] > 0, _f32(x), -jnp.inf), axis=0), "max", channel_local=True,
     )
 
 
@@ -84,7 +88,7 @@ def minimum() -> Statistic:
     """Per-channel ``min x`` (``+inf`` before any row)."""
     return Statistic(
         "min", lambda k: jnp.full((k,), jnp.inf, jnp.float32),
-        lambda x, w: jnp.min(jnp.where(w[:, None] > 0, _f32(x), jnp.inf), axis=0), "min",
+        lambda x, w: jnp.min(jnp.where(w[:, None] > 0, _f32(x), jnp.inf), axis=0), "min", channel_local=True,
     )
 
 

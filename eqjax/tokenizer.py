@@ -19,14 +19,16 @@ same ids as transformers' GGUF loader except in the one documented case below:
 transformers' GGUF loader (5.x) ignores ``tokenizer.ggml.pre = smollm`` and applies GPT-2's regex alone.
 That only differs where whitespace touches a digit: ``"\\n\\n\\n\\n 1950"`` is ``ĊĊ ĊĊĠ 1 9 5 0`` here and
 in llama.cpp, ``ĊĊĊĊ Ġ 1 9 5 0`` in transformers (0.15 % of the Wikipedia text's tokens: 730,689 vs
-731,786; 75,678 vs 75,680 on the news text). ``Tokenizer.from_gguf(path, pre="gpt2")`` reproduces
-transformers' ids exactly.
+731,786; 75,678 vs 75,680 on the news text). ``eqjax.io.gguf.load_tokenizer(path, pre="gpt2")``
+reproduces transformers' ids exactly.
+
+This module reads no files: :mod:`eqjax.io.gguf` reads the metadata and builds the tokenizer with
+:meth:`Tokenizer.from_metadata` (the dependency goes one way, gguf -> tokenizer).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,7 +72,8 @@ def bytes_to_unicode() -> dict[int, str]:
 class Tokenizer:
     """Byte-level BPE tokenizer with the ids of the model it came from.
 
-    Build with :meth:`from_gguf` (a path) or :meth:`from_metadata` (a dict of GGUF metadata keys).
+    Build with :meth:`from_metadata` (a dict of GGUF metadata keys) or, from a file,
+    :func:`eqjax.io.gguf.load_tokenizer`.
 
     Attributes:
       bos_id, eos_id, unk_id, pad_id: special ids from the metadata (None when absent).
@@ -193,14 +196,6 @@ class Tokenizer:
             pre=pre if pre is not None else meta.get("tokenizer.ggml.pre", "default"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
-
-    @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str] | None = None, *, pre: str | None = None) -> "Tokenizer":
-        """From a GGUF file (default: the SmolLM2-135M-Instruct file, see ``eqjax.io.gguf``)."""
-        from eqjax.io.gguf import default_model_path, read_metadata
-
-        path = default_model_path() if path is None else path
-        return cls.from_metadata(read_metadata(path, tokenizer=True), source=os.fspath(path), pre=pre)
 
     # ------------------------------------------------------------------ use
     @property

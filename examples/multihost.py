@@ -42,7 +42,9 @@ def main() -> None:
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     local = calib[D.host_rows(calib.shape[0])]  # this host's shard only
-    stats = D.sharded_statistics({"absmax": D.channel_absmax(), "xtx": D.xtx(), "n": D.row_count()}, mesh)(
+    from eqjax import statistics as S
+
+    stats = D.sharded_statistics({"absmax": S.absmax(), "xtx": S.xtx()}, mesh)(
         D.global_batch(local, mesh)
     )
     stats = jax.block_until_ready(stats)
@@ -55,7 +57,7 @@ def main() -> None:
     scale = multihost_utils.process_allgather(q.scale, tiled=True)
 
     def write(path: Path) -> None:
-        np.savez(path, absmax=np.asarray(stats["absmax"]), hessian=2 * np.asarray(stats["xtx"]) / int(stats["n"]),
+        np.savez(path, absmax=np.asarray(stats["absmax"]), hessian=2 * np.asarray(stats["xtx"]),
                  values=values, scale=scale)
         print(f"process 0 of {info.num_processes} wrote {path}")
 

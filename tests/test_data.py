@@ -173,10 +173,10 @@ def test_encode_cached_keyed_by_tokenizer(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.slow
 def test_wikipedia_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from eqjax.tokenizer import Tokenizer
+    from eqjax.io.gguf import load_tokenizer
 
     monkeypatch.setenv("EQJAX_CACHE", str(tmp_path))
-    tok = Tokenizer.from_gguf()
+    tok = load_tokenizer()
     calib, evals = data.wikipedia_tokens(tok)
     assert (calib.size, evals.size) == (368_233, 362_454)
     assert data.token_windows(evals, 1024, n_windows=32).shape == (32, 1024)

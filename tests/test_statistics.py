@@ -37,3 +37,16 @@ def test_statistics_against_numpy():
     bad = x.copy()
     bad[3, 2] = np.nan
     assert float(S.nonfinite().partial(jnp.asarray(bad), jnp.asarray(w))) == 1.0
+
+
+def test_channel_local_statistics_read_only_their_channel():
+    """``channel_local`` is what lets eqjax.distributed skip gathering K-sharded activations."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(30, 8)), jnp.float32)
+    w = jnp.asarray(rng.uniform(size=30) > 0.3, jnp.float32)
+    local = {name: st for name, st in STATS.items() if st.channel_local}
+    assert set(local) == {"absmax", "min", "max"}
+    for name, st in local.items():
+        whole = np.asarray(st.finalize(st.partial(x, w)))
+        part = np.asarray(st.finalize(st.partial(x[:, 3:7], w)))
+        np.testing.assert_array_equal(part, whole[3:7], err_msg=name)

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from eqjax.io.gguf import load_tokenizer
 from eqjax.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode
 
 EDGE_CASES = [
@@ -91,7 +92,7 @@ def test_errors() -> None:
 # ------------------------------------------------------------------------ the real SmolLM2 tokenizer
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
-    return Tokenizer.from_gguf()
+    return load_tokenizer()
 
 
 def _parity_text() -> str:
@@ -158,7 +159,7 @@ def test_parity_with_transformers(smol: Tokenizer, hf_reference: object) -> None
     """pre="gpt2" gives transformers' GGUF ids exactly; the default (llama.cpp's smollm pre-tokenizer)
     differs only where whitespace meets a digit."""
     ref = hf_reference
-    compat = Tokenizer.from_gguf(pre="gpt2")
+    compat = load_tokenizer(pre="gpt2")
     text = _parity_text()
     assert len(text) > 10_000 and any(ord(c) > 0x4E00 for c in text)
     want = ref(text, add_special_tokens=False)["input_ids"]

@@ -24,11 +24,14 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import jax
 
-from eqjax.core.analysis import Analysis, EmbeddingUse, WeightUse
+from eqjax.core.analysis import Analysis, WeightUse
 from eqjax.core.program import Lit, Node, Program, Ref
-from eqjax.qarray import RotatedKernel, is_quantized
+from eqjax.core.qdot import embedding_gather, weight_dot
+from eqjax.core.views import apply_view, bind
+from eqjax.numerics import dequantize_leaf
+from eqjax.qarray import is_quantized
 
-__all__ = ["run", "evaluate", "DotHook", "bind", "apply_view", "view_nodes"]
+__all__ = ["run", "evaluate", "DotHook"]
 
 DotHook = Callable[[WeightUse, Any, Any, Callable[[Any, Any], Any]], Any]
 """``(use, x, w, default) -> y``; ``default(x, w)`` computes the use's dot for any leaf ``w``."""
@@ -42,40 +45,6 @@ class _Deferred:
     chain: tuple[Node, ...]
 
 
-def bind(node: Node, vals: Sequence[Any]) -> list[Any]:
-    """``node.prim`` applied to ``vals`` with the node's own params."""
-    out = node.prim.bind(*vals, **node.prim.get_bind_params(dict(node.params)))
-    return list(out) if node.prim.multiple_results else [out]
-
-
-def view_nodes(prog: Program, use: WeightUse | EmbeddingUse) -> tuple[Node, ...]:
-    """The layout nodes from the param to the use's weight operand, in execution order."""
-    node = prog.nodes[use.node]
-    ref = node.ins[use.side] if isinstance(use, WeightUse) else node.ins[0]
-    chain = []
-    while ref != use.view.value:
-        n = prog.nodes[prog.producer[ref]]
-        chain.append(n)
-        ref = n.ins[0]
-    return tuple(reversed(chain))
-
-
-def apply_view(prog: Program, use: WeightUse | EmbeddingUse, w: Any) -> Any:
-    """The use's weight operand computed from the float param ``w``."""
-    for n in view_nodes(prog, use):
-        w = bind(n, [w] + [r.value for r in n.ins[1:]])[0]
-    return w
-
-
-def _dequantized(w: Any, dtype: Any = None) -> Any:
-    from eqjax.numerics import dequantize  # noqa: PLC0415 - numerics imports nothing from core
-
-    if isinstance(w, RotatedKernel):
-        return w.materialize(dtype)
-    q = w.weight if hasattr(w, "weight") else w
-    return dequantize(q, dtype)
-
-
 def run(
     prog: Program,
     an: Analysis,
@@ -87,18 +56,16 @@ def run(
     dot_hook: DotHook | None = None,
 ) -> MutableMapping[int, Any]:
     """Evaluate nodes ``[start, stop)`` into ``env`` (which must hold their inputs); returns ``env``."""
-    from eqjax.core.qdot import embedding_gather, weight_dot  # noqa: PLC0415
-
     stop = len(prog.nodes) if stop is None else stop
 
     def read(r: Ref) -> Any:
         v = _lookup(prog, env, params, r)
         if isinstance(v, _Deferred):
-            w = _dequantized(params[v.path])
+            w = dequantize_leaf(params[v.path])
             for n in v.chain:
                 w = bind(n, [w] + [x.value for x in n.ins[1:]])[0]
             return w
-        return _dequantized(v) if is_quantized(v) else v
+        return dequantize_leaf(v) if is_quantized(v) else v
 
     def raw(r: Ref) -> Any:
         if isinstance(r, int):
@@ -164,6 +131,6 @@ def evaluate(prog: Program, an: Analysis, params: Mapping[str, Any], args: Seque
 
     def out(r: Ref) -> Any:
         v = _lookup(prog, env, params, r)
-        return _dequantized(v) if is_quantized(v) else v
+        return dequantize_leaf(v) if is_quantized(v) else v
 
     return jax.tree_util.tree_unflatten(prog.out_tree, [out(r) for r in prog.outputs])

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from eqjax.core.analysis import EmbeddingUse, WeightUse
-from eqjax.core.interpret import apply_view, bind
 from eqjax.core.program import Node, Program
+from eqjax.core.views import apply_view, bind
 from eqjax.errors import InputError
 from eqjax.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
-from eqjax.numerics import dequantize
+from eqjax.numerics import dequantize, dequantize_leaf
 from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, is_quantized
 
 __all__ = ["weight_dot", "embedding_gather", "activation_rows", "assemble_output"]
@@ -91,7 +91,7 @@ def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) 
 def embedding_gather(prog: Program, emb: EmbeddingUse, node: Node, w: Any, indices: jax.Array) -> jax.Array:
     """The row gather at ``emb`` from a quantized table: only the looked-up rows are dequantized."""
     if isinstance(w, RotatedKernel):
-        return bind(node, [apply_view(prog, emb, w.materialize(w.dtype)), indices])[0]
+        return bind(node, [apply_view(prog, emb, dequantize_leaf(w, w.dtype)), indices])[0]
     q = w.weight if isinstance(w, ActQuantKernel) else w
     out = prog.avals[node.outs[0]]
     identity = emb.view.axes == tuple(range(len(q.shape))) and not emb.view.index

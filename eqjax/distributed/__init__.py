@@ -7,8 +7,8 @@
   coordinator ends every survivor with an eqjax error, never a hang.
 * :mod:`~eqjax.distributed.consistency`: processes check they hold the same job.
 * :mod:`~eqjax.distributed.ema`: EMA activation scales synced across replicas.
-* :mod:`~eqjax.distributed.sharded`: row statistics on arrays already sharded over a mesh axis,
-  :func:`host_rows` / :func:`global_batch` for feeding per-process rows.
+* :mod:`~eqjax.distributed.sharded`: :class:`eqjax.statistics.Statistic` values of arrays already
+  sharded over a mesh axis, :func:`host_rows` / :func:`global_batch` for feeding per-process rows.
 * :mod:`~eqjax.distributed.tensor_parallel`: quantizing a weight sharded along one dimension.
 
 The Calibrator (:mod:`eqjax.calibrate`) and :func:`eqjax.evaluate.perplexity` run on
@@ -22,9 +22,8 @@ from eqjax.distributed.merge import COLLECTIVES, Reduction, merge_slots
 from eqjax.distributed.mesh import (DATA, MODEL, default_mesh, describe_mesh, device_bytes, make_mesh, n_steps,
                                     param_sharding, place, replicated, set_default_mesh, slot_axes, slot_sharding,
                                     stack_step, use_mesh)
-from eqjax.distributed.sharded import (DEFAULT_BLOCKS, LOCAL_MERGES, Statistic, _axes_tuple, channel_absmax,  # noqa: F401
-                                       channel_max, channel_min, channel_sum, compute_statistics, global_batch,
-                                       host_rows, row_count, sharded_statistic, sharded_statistics, tree_sum, xtx)
+from eqjax.distributed.sharded import (DEFAULT_BLOCKS, _axes_tuple, compute_statistics, global_batch,  # noqa: F401
+                                       host_rows, sharded_statistic, sharded_statistics, tree_sum)
 from eqjax.distributed.tensor_parallel import _tp_plan, qarray_shardings, quantize_sharded  # noqa: F401
 from eqjax.distributed.runtime import (DEFAULT_TIMEOUT_S, DistributedError, DistributedInfo, add_distributed_args,
                                        barrier, broadcast_str, finish, init_distributed, init_from_args,
@@ -38,7 +37,6 @@ __all__ = [
     "shutdown_distributed", "is_main_process", "process_count", "write_once", "barrier", "broadcast_str",
     "set_stage", "DEFAULT_TIMEOUT_S",
     "InconsistentJobError", "fingerprint", "check_same_job", "synced_ema_update",
-    "LOCAL_MERGES", "DEFAULT_BLOCKS", "Statistic", "channel_absmax", "channel_max", "channel_min", "channel_sum",
-    "row_count", "xtx", "tree_sum", "compute_statistics", "sharded_statistics", "sharded_statistic", "host_rows",
+    "DEFAULT_BLOCKS", "tree_sum", "compute_statistics", "sharded_statistics", "sharded_statistic", "host_rows",
     "global_batch", "quantize_sharded", "qarray_shardings",
 ]

@@ -1,16 +1,17 @@
 """Data-parallel statistics on arrays already sharded over a mesh axis, and per-host batch rows.
 
-Lower-level than the Calibrator (which merges :class:`eqjax.statistics.Statistic` partials per step,
-:mod:`eqjax.distributed.merge`): :func:`sharded_statistics` runs a dict of row statistics on a
-batch sharded over a mesh axis under ``shard_map`` and returns the merged, replicated result.
+Lower-level than the Calibrator (which merges partials per step, :mod:`eqjax.distributed.merge`):
+:func:`sharded_statistics` runs a dict of :class:`eqjax.statistics.Statistic` (``absmax()``,
+``xtx()``, ``count()``, ...) on activations ``x [B, ..., K]`` sharded over a mesh axis under
+``shard_map`` and returns the finalized, replicated values. Every row has weight 1.
 
 * ``max``/``min`` merges are exact in any order: sharded results equal one device bitwise.
-* Integer ``sum`` merges (counts) are exact, reduced with ``psum``.
-* Float ``sum`` merges (column sums, ``X^T X``) are *defined* blockwise: rows cut into ``num_blocks``
+* ``sum`` merges (``X^T X``, ``sum |x|``, counts) are *defined* blockwise: rows cut into ``num_blocks``
   equal contiguous blocks (fixed, independent of the mesh), one float32 partial per block, added in
-  a fixed pairwise tree order; the sharded path ``all_gather``\\ s the partials and adds them in the
-  same order, so it equals :func:`compute_statistics` with the same ``num_blocks`` bitwise for every
-  mesh whose data size divides ``num_blocks`` (not bitwise equal to one un-blocked ``x.T @ x``).
+  a fixed pairwise tree order (:func:`tree_sum`); the sharded path ``all_gather``\\ s the partials and
+  adds them in the same order, so it equals :func:`compute_statistics` with the same ``num_blocks``
+  bitwise for every mesh whose data size divides ``num_blocks`` (not bitwise equal to one un-blocked
+  ``x.T @ x``).
 
 Multi-host feeding: :func:`host_rows` (this process's contiguous share of the rows) and
 :func:`global_batch` (``jax.make_array_from_process_local_data``).
@@ -18,8 +19,7 @@ Multi-host feeding: :func:`host_rows` (this process's contiguous share of the ro
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,105 +28,28 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from eqjax.distributed.merge import COLLECTIVES
+from eqjax.statistics import MERGE_FNS, Statistic
+
 __all__ = [
-    "LOCAL_MERGES", "DEFAULT_BLOCKS", "Statistic", "channel_absmax", "channel_max", "channel_min", "channel_sum",
-    "row_count", "xtx", "tree_sum", "compute_statistics", "sharded_statistics", "sharded_statistic",
-    "host_rows", "global_batch", "AxisNames",
+    "DEFAULT_BLOCKS", "tree_sum", "compute_statistics", "sharded_statistics", "sharded_statistic", "host_rows",
+    "global_batch", "AxisNames",
 ]
 
-Merge = Literal["max", "min", "sum"]
 AxisNames = str | tuple[str, ...]
 
-#: merge name -> collective combining per-device partials inside ``shard_map``.
-COLLECTIVES: dict[str, Callable[..., jax.Array]] = {"max": lax.pmax, "min": lax.pmin, "sum": lax.psum}
-#: merge name -> the same merge of two local partials.
-LOCAL_MERGES: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-    "max": jnp.maximum,
-    "min": jnp.minimum,
-    "sum": jnp.add,
-}
 #: default number of row blocks for float sums (must be a multiple of the data-parallel size).
 DEFAULT_BLOCKS = 8
 
 
-
-@dataclasses.dataclass(frozen=True)
-class Statistic:
-    """A calibration statistic: ``fn(rows [n, K]) -> partial`` merged associatively by ``merge``.
-
-    Attributes:
-      fn: pure function of a 2-D block of rows (features last). Must satisfy
-        ``fn(concat(a, b)) == merge(fn(a), fn(b))`` (up to float rounding for float sums).
-      merge: ``"max"``, ``"min"`` or ``"sum"`` (see :data:`COLLECTIVES`).
-      channel_local: the output's last axis is the feature axis and each output channel only reads
-        its own input channel (per-channel absmax/min/max). Such statistics run on a feature-sharded
-        batch without gathering it and come back sharded along the features. Only set it for
-        ``max``/``min`` merges or integer sums if bitwise equality matters (see :func:`channel_sum`).
-    """
-
-    fn: Callable[[jax.Array], jax.Array]
-    merge: Merge
-    channel_local: bool = False
-
-    def __post_init__(self) -> None:
-        if self.merge not in COLLECTIVES:
-            raise ValueError(f"unknown merge {self.merge!r}; use one of {sorted(COLLECTIVES)}")
-
-
-def channel_absmax() -> Statistic:
-    """Per-input-channel ``max |x|`` over rows: ``[n, K] -> [K]`` float32 (SmoothQuant's statistic)."""
-    return Statistic(lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0), "max", channel_local=True)
-
-
-def channel_max() -> Statistic:
-    """Per-channel maximum over rows ``[n, K] -> [K]`` float32."""
-    return Statistic(lambda x: jnp.max(x.astype(jnp.float32), axis=0), "max", channel_local=True)
-
-
-def channel_min() -> Statistic:
-    """Per-channel minimum over rows ``[n, K] -> [K]`` float32."""
-    return Statistic(lambda x: jnp.min(x.astype(jnp.float32), axis=0), "min", channel_local=True)
-
-
-def channel_sum() -> Statistic:
-    """Per-channel sum over rows ``[n, K] -> [K]`` float32 (blockwise, see the module docs).
-
-    Not ``channel_local``: a float sum over a feature shard ``[n, K/m]`` need not be bitwise the
-    matching slice of the ``[n, K]`` sum (kernels differ per shape); the features are gathered first
-    so the block shapes match the single-device run.
-    """
-
-    def fn(x: jax.Array) -> jax.Array:
-        # a matmul, not jnp.sum: XLA emits a reduce differently depending on what it is fused with
-        # (seen: 1 ulp after an all_gather), while the dot is one library call per shape.
-        ones = jnp.ones((1, x.shape[0]), jnp.float32)
-        return jnp.matmul(ones, x.astype(jnp.float32), precision=lax.Precision.HIGHEST)[0]
-
-    return Statistic(fn, "sum")
-
-
-def row_count() -> Statistic:
-    """Number of rows, int32 ``[]`` (exact)."""
-    return Statistic(lambda x: jnp.asarray(x.shape[0], jnp.int32), "sum")
-
-
-def xtx() -> Statistic:
-    """``X^T X`` of the rows, float32 ``[K, K]`` (the GPTQ Hessian up to ``2 / n``; blockwise)."""
-
-    def fn(x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        return jnp.matmul(xf.T, xf, precision=lax.Precision.HIGHEST)
-
-    return Statistic(fn, "sum")
-
-
-def tree_sum(parts: Sequence[jax.Array]) -> jax.Array:
-    """Sum in a fixed pairwise order: ``((p0 + p1) + (p2 + p3)) + ...`` (odd tails carried up)."""
+def tree_sum(parts: Sequence[Any]) -> Any:
+    """Leaf-wise sum of pytrees in a fixed pairwise order: ``((p0 + p1) + (p2 + p3)) + ...`` (odd tails
+    carried up)."""
     parts = list(parts)
     if not parts:
         raise ValueError("tree_sum of no parts")
     while len(parts) > 1:
-        nxt = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        nxt = [jax.tree.map(jnp.add, parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
         if len(parts) % 2:
             nxt.append(parts[-1])
         parts = nxt
@@ -140,8 +63,9 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
-def _is_exact_sum(stat: Statistic, out: jax.ShapeDtypeStruct) -> bool:
-    return stat.merge == "sum" and not jnp.issubdtype(out.dtype, jnp.floating)
+def _value(stat: Statistic, rows: jax.Array) -> Any:
+    """The statistic's state of ``rows [n, K]``, every row weighted 1."""
+    return stat.partial(rows, jnp.ones((rows.shape[0],), jnp.float32))
 
 
 def compute_statistics(
@@ -151,14 +75,17 @@ def compute_statistics(
     num_blocks: int = DEFAULT_BLOCKS,
     axis_name: AxisNames | None = None,
     axis_size: int = 1,
-) -> dict[str, jax.Array]:
-    """Evaluate and merge ``stats`` on activations ``x [B, ..., K]`` (rows = all leading axes).
+) -> dict[str, Any]:
+    """``{name: stat.finalize(state)}`` of ``stats`` on activations ``x [B, ..., K]`` (rows = all leading axes).
 
     On one device (``axis_name=None``) this is the reference definition. Inside ``shard_map`` pass the
     data axis name(s) and their total size: ``x`` is then this device's contiguous slice of the global
     batch, holding ``num_blocks / axis_size`` of the ``num_blocks`` global row blocks, and the result is
     the same as the single-device value on the whole batch (bitwise, see the module docs).
     """
+    for name, stat in stats.items():
+        if stat.merge not in MERGE_FNS:
+            raise ValueError(f"statistic {name!r}: unknown merge {stat.merge!r}; use one of {sorted(MERGE_FNS)}")
     if num_blocks < 1 or num_blocks % axis_size:
         raise ValueError(f"num_blocks={num_blocks} must be a positive multiple of the data-parallel size {axis_size}")
     local_blocks = num_blocks // axis_size
@@ -168,27 +95,23 @@ def compute_statistics(
             f"{local_blocks} equal blocks; use a batch that is a multiple of num_blocks={num_blocks}"
         )
     blocks: jax.Array | None = None
-    out: dict[str, jax.Array] = {}
+    out: dict[str, Any] = {}
     for name, stat in stats.items():
         if stat.merge in ("max", "min"):
-            v = stat.fn(_rows(x))
-            out[name] = v if axis_name is None else COLLECTIVES[stat.merge](v, axis_name)
-            continue
-        shape = jax.eval_shape(stat.fn, jax.ShapeDtypeStruct((1, x.shape[-1]), x.dtype))
-        if _is_exact_sum(stat, shape):
-            v = stat.fn(_rows(x))
-            out[name] = v if axis_name is None else lax.psum(v, axis_name)
-            continue
-        if blocks is None:
-            blocks = _rows(x).reshape(local_blocks, -1, x.shape[-1])  # [local_blocks, rows/block, K]
-        # lax.map (a loop) materializes each block's partial: fused into the tree's adds, a partial's
-        # last multiply could become an FMA and round differently from the sharded path's gathered
-        # partials (seen for 1-row blocks, where XLA rewrites the block matmul as a multiply).
-        stacked = lax.map(stat.fn, blocks)
-        if axis_name is not None:
-            stacked = lax.all_gather(stacked, axis_name, axis=0, tiled=True)  # [num_blocks, ...]
-        parts = [stacked[i] for i in range(num_blocks)]
-        out[name] = tree_sum(parts)
+            state = _value(stat, _rows(x))
+            if axis_name is not None:
+                state = jax.tree.map(lambda v: COLLECTIVES[stat.merge](v, axis_name), state)
+        else:
+            if blocks is None:
+                blocks = _rows(x).reshape(local_blocks, -1, x.shape[-1])  # [local_blocks, rows/block, K]
+            # lax.map (a loop) materializes each block's partial: fused into the tree's adds, a partial's
+            # last multiply could become an FMA and round differently from the sharded path's gathered
+            # partials (seen for 1-row blocks, where XLA rewrites the block matmul as a multiply).
+            stacked = lax.map(lambda b: _value(stat, b), blocks)  # leaves [local_blocks, ...]
+            if axis_name is not None:
+                stacked = jax.tree.map(lambda v: lax.all_gather(v, axis_name, axis=0, tiled=True), stacked)
+            state = tree_sum([jax.tree.map(lambda v: v[i], stacked) for i in range(num_blocks)])
+        out[name] = stat.finalize(state)
     return out
 
 
@@ -216,12 +139,12 @@ def sharded_statistics(
     feature_axis: str | None = None,
     num_blocks: int = DEFAULT_BLOCKS,
 ) -> Callable[[jax.Array], dict[str, jax.Array]]:
-    """A jitted ``x -> {name: statistic}`` for activations sharded over ``mesh``.
+    """A jitted ``x -> {name: finalized value}`` of ``stats`` for activations sharded over ``mesh``.
 
     ``x [B, ..., K]`` is sharded ``P(axis, ..., feature_axis)``: the batch over ``axis`` (a name or a
     tuple of names, e.g. ``("data", "model")`` to use a whole 2-D mesh for calibration) and, optionally,
     the features over ``feature_axis`` (tensor-parallel activations). Every result is replicated over
-    ``axis``; channel-local statistics come back sharded ``P(feature_axis)`` along their last axis,
+    ``axis``; ``channel_local`` statistics come back sharded ``P(feature_axis)`` along their last axis,
     the others are replicated (the features are all-gathered for them first).
     """
     axes = _axes_tuple(axis)
@@ -257,13 +180,15 @@ def sharded_statistics(
 
 
 def _out_ndim(stat: Statistic, x: jax.Array) -> int:
-    return len(jax.eval_shape(stat.fn, jax.ShapeDtypeStruct((1, x.shape[-1]), x.dtype)).shape)
+    """Rank of ``stat``'s value (channel-local values have ``K`` last)."""
+    probe = jax.ShapeDtypeStruct((1, x.shape[-1]), x.dtype)
+    return len(jax.eval_shape(lambda r: stat.finalize(_value(stat, r)), probe).shape)
 
 
 def sharded_statistic(
     stat: Statistic, mesh: Mesh, axis: AxisNames = "data", **kw: Any
 ) -> Callable[[jax.Array], jax.Array]:
-    """:func:`sharded_statistics` for one statistic: a jitted ``x -> merged statistic``."""
+    """:func:`sharded_statistics` for one statistic: a jitted ``x -> finalized value``."""
     f = sharded_statistics({"s": stat}, mesh, axis, **kw)
     return lambda x: f(x)["s"]
 

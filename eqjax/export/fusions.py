@@ -83,7 +83,7 @@ class _P:
 
     def const_value(self, ref: Ref, depth: int = 8) -> np.ndarray | None:
         """The value of a ref computed from constants only (None if it reads args or params)."""
-        from eqjax.core.interpret import bind  # noqa: PLC0415
+        from eqjax.core.views import bind  # noqa: PLC0415
 
         if isinstance(ref, Lit):
             return np.asarray(ref.value)

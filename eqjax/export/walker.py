@@ -27,12 +27,12 @@ import jax
 import numpy as np
 
 from eqjax.core.analysis import Analysis
-from eqjax.core.interpret import apply_view, bind
+from eqjax.core.views import bind, view_nodes
 from eqjax.core.program import Lit, Program, Ref
 from eqjax.export.graph import ExportError, Graph, onnx_dtype
 from eqjax.export.qlower import check_exportable, emit_gather, emit_matmul
 from eqjax.numerics import dequantize
-from eqjax.qarray import ActQuantKernel, QArray, is_quantized
+from eqjax.qarray import ActQuantKernel, is_quantized
 
 __all__ = ["Stack", "Walker", "Fused"]
 
@@ -250,8 +250,6 @@ class Walker:
 
     def _view(self, use: Any, w: str) -> str:
         """Replay the layout ops from the param to the use's operand."""
-        from eqjax.core.interpret import view_nodes  # noqa: PLC0415
-
         for n in view_nodes(self.prog, use):
             w = _LOWER[n.name](self, n, [w] + [self.value(r) for r in n.ins[1:]])
         return w

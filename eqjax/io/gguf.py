@@ -1,6 +1,6 @@
 """Load a Llama-architecture GGUF file (llama.cpp's format) as a float32 eqjax model.
 
-``load_gguf(path) -> (LlamaConfig, params, Tokenizer)``:
+``load_gguf(path) -> (LlamaConfig, params, Tokenizer)``; ``load_tokenizer(path)`` reads the tokenizer alone:
 
 * the config comes from the ``llama.*`` metadata keys;
 * every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (Q4_1, Q8_0, F16, ... whatever
@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from eqjax.tokenizer import Tokenizer, TokenizerError
+
 __all__ = [
     "GGUFError",
     "DEFAULT_MODEL_FILE",
@@ -44,6 +46,7 @@ __all__ = [
     "config_from_metadata",
     "unpermute_qk",
     "load_gguf",
+    "load_tokenizer",
 ]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,6 +145,15 @@ def read_metadata(path: str | os.PathLike[str], *, tokenizer: bool = True) -> di
     return _metadata(_open(path), tokenizer=tokenizer)
 
 
+def load_tokenizer(path: str | os.PathLike[str] | None = None, *, pre: str | None = None) -> Tokenizer:
+    """The byte-level BPE :class:`~eqjax.tokenizer.Tokenizer` of a GGUF file (default:
+    :func:`default_model_path`); ``pre`` overrides the file's pre-tokenizer name (``"gpt2"``:
+    transformers' ids). Raises :class:`GGUFError` for an unreadable file, :class:`TokenizerError`
+    for metadata eqjax cannot rebuild a tokenizer from."""
+    path = default_model_path() if path is None else path
+    return Tokenizer.from_metadata(read_metadata(path, tokenizer=True), source=os.fspath(path), pre=pre)
+
+
 def config_from_metadata(meta: dict[str, Any], *, source: str = "GGUF metadata", n_vocab: int | None = None) -> Any:
     """A :class:`eqjax.models.config.LlamaConfig` from GGUF metadata (``llama.*`` keys).
 
@@ -233,8 +245,6 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
     """
     import jax.numpy as jnp
     from gguf.quants import dequantize
-
-    from eqjax.tokenizer import Tokenizer, TokenizerError
 
     path = default_model_path() if path is None else Path(path)
     src = os.fspath(path)

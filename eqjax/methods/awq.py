@@ -41,7 +41,7 @@ import numpy as np
 from eqjax.core.analysis import WeightUse, from_weight_matrix, matrix_to_slice, slice_to_matrix, weight_matrix
 from eqjax.core.folds import Fold
 from eqjax.errors import InputError
-from eqjax.methods.gptq import group_ids
+from eqjax.methods.grid import group_ids
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, fake_quantize
 from eqjax.rules import Rule

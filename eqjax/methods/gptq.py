@@ -45,13 +45,14 @@ import scipy.linalg
 
 from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
 from eqjax.errors import InputError
+from eqjax.methods.grid import grids_to_param, group_ids, place_grid, search_grid
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
-from eqjax.qarray import QArray, QArrayError, per_channel, per_group, scale_shape
+from eqjax.qarray import QArray, QArrayError, per_channel, per_group
 from eqjax.rules import Rule
 from eqjax.statistics import xtx
 
-__all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_ids", "group_size_for", "hessian_cholesky"]
+__all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_size_for", "hessian_cholesky"]
 
 log = logging.getLogger("eqjax")
 
@@ -209,19 +210,6 @@ def _gptq_core(W, U, perm, gid, n_groups, grid=None, *, bits: int, symmetric: bo
     return Q, stored, (None if symmetric else zps)
 
 
-def group_ids(contract_dims: tuple[int, ...], group_size: int | None) -> tuple[np.ndarray, int]:
-    """Group id of each canonical input (contracted axes flattened in order, groups along the last,
-    a short last group per outer index when the group does not divide it) and the number of groups."""
-    k = int(np.prod(contract_dims, dtype=np.int64))
-    if group_size is None:
-        return np.zeros((k,), np.int32), 1
-    dg = contract_dims[-1]
-    g = min(int(group_size), dg)
-    ng = -(-dg // g)
-    idx = np.arange(k)
-    return ((idx // dg) * ng + (idx % dg) // g).astype(np.int32), (k // dg) * ng
-
-
 def gptq_matrix(
     w2: Any,
     hessian: Any,
@@ -270,8 +258,6 @@ def gptq_matrix(
     W[:, dead] = 0.0
     fixed = None
     if grid == "search":
-        from eqjax.methods.grid import search_grid  # noqa: PLC0415
-
         sc, zp0, _ = search_grid(W.T, h, gid, n_groups, bits=bits, symmetric=symmetric, full_range=full_range,
                                  scale_dtype=scale_dtype, **dict(grid_kwargs or {}))
         fixed = (sc, zp0)
@@ -341,34 +327,6 @@ def gptq_quantize(kernel: Any, hessian: Any, *, group_size: int | None = 128, sc
 
 # One compiled program per shape instead of op-by-op dispatch (GPTQ's values are finite by construction).
 _quantize_with = jax.jit(quantize_with, static_argnames=("bits", "granularity"))
-
-
-def grids_to_param(scale: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
-    """Canonical grids ``[n_groups, N]`` -> the used slice of the param's scale layout for ``gran``
-    (stacked axes of a scanned param have size 1: :func:`place_grid` puts the slice in place)."""
-    shape = list(use.shape)
-    for ax, _ in use.view.index:
-        shape[ax] = 1
-    order = use.contracting + use.free
-    rest = [a for a in range(len(shape)) if a not in order]
-    if gran.kind == "group":
-        dims = [shape[a] for a in use.contracting[:-1]] + [-(-shape[gran.axes[0]] // gran.group_size)]
-    else:
-        dims = [1] * len(use.contracting)
-    t = scale.reshape(dims + [shape[a] for a in use.free] + [1] * len(rest))
-    return jnp.transpose(t, np.argsort(order + tuple(rest)))
-
-
-def place_grid(full: jax.Array | None, part: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
-    """``part`` (a slice's grid) written into the whole param's grid array (created as ones)."""
-    if not use.view.index:
-        return part
-    if full is None:
-        full = jnp.ones(scale_shape(use.shape, gran), part.dtype)
-    start = [0] * len(use.shape)
-    for ax, i in use.view.index:
-        start[ax] = i
-    return jax.lax.dynamic_update_slice(full, part, start)
 
 
 @dataclasses.dataclass(frozen=True)

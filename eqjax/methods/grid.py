@@ -46,12 +46,27 @@ import numpy as np
 from eqjax.core.analysis import WeightUse, weight_matrix
 from eqjax.errors import InputError
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds, symmetric_divisor
+from eqjax.qarray import scale_shape
 from eqjax.rules import Rule
 from eqjax.statistics import xtx
 
-__all__ = ["search_grid", "grid_blocks", "weighted_error", "SearchedRTN", "Weighting"]
+__all__ = ["search_grid", "grid_blocks", "weighted_error", "SearchedRTN", "Weighting", "group_ids", "grids_to_param",
+           "place_grid"]
 
 Weighting = Literal["hessian", "diagonal", "none"]
+
+
+def group_ids(contract_dims: tuple[int, ...], group_size: int | None) -> tuple[np.ndarray, int]:
+    """Group id of each canonical input (contracted axes flattened in order, groups along the last,
+    a short last group per outer index when the group does not divide it) and the number of groups."""
+    k = int(np.prod(contract_dims, dtype=np.int64))
+    if group_size is None:
+        return np.zeros((k,), np.int32), 1
+    dg = contract_dims[-1]
+    g = min(int(group_size), dg)
+    ng = -(-dg // g)
+    idx = np.arange(k)
+    return ((idx // dg) * ng + (idx % dg) // g).astype(np.int32), (k // dg) * ng
 
 
 def grid_blocks(gid: np.ndarray, n_groups: int) -> np.ndarray:
@@ -274,7 +289,6 @@ class SearchedRTN:
                     damp=self.damp)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        from eqjax.methods.gptq import grids_to_param, group_ids, place_grid  # noqa: PLC0415
         from eqjax.methods.rtn import concrete_spec  # noqa: PLC0415
 
         from eqjax.methods.rtn import step_targets  # noqa: PLC0415
@@ -312,6 +326,34 @@ class SearchedRTN:
         return cls(**step_kwargs(cls, d, "rtn_search", exclude=()))
 
 
+def grids_to_param(scale: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
+    """Canonical grids ``[n_groups, N]`` -> the used slice of the param's scale layout for ``gran``
+    (stacked axes of a scanned param have size 1: :func:`place_grid` puts the slice in place)."""
+    shape = list(use.shape)
+    for ax, _ in use.view.index:
+        shape[ax] = 1
+    order = use.contracting + use.free
+    rest = [a for a in range(len(shape)) if a not in order]
+    if gran.kind == "group":
+        dims = [shape[a] for a in use.contracting[:-1]] + [-(-shape[gran.axes[0]] // gran.group_size)]
+    else:
+        dims = [1] * len(use.contracting)
+    t = scale.reshape(dims + [shape[a] for a in use.free] + [1] * len(rest))
+    return jnp.transpose(t, np.argsort(order + tuple(rest)))
+
+
+def place_grid(full: jax.Array | None, part: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
+    """``part`` (a slice's grid) written into the whole param's grid array (created as ones)."""
+    if not use.view.index:
+        return part
+    if full is None:
+        full = jnp.ones(scale_shape(use.shape, gran), part.dtype)
+    start = [0] * len(use.shape)
+    for ax, i in use.view.index:
+        start[ax] = i
+    return jax.lax.dynamic_update_slice(full, part, start)
+
+
 _quantize_with = jax.jit(quantize_with, static_argnames=("bits", "granularity"))
 
 
@@ -328,8 +370,6 @@ def finish_grids(out: dict[str, Any], params: Mapping[str, Any], grids: Mapping[
 
 def grid_of_use(w: Any, u: WeightUse, h: Any, spec: QuantSpec, **kw: Any) -> tuple[jax.Array, jax.Array | None]:
     """Searched ``(scale, zero point)`` of one use's canonical matrix, in canonical ``[n_groups, N]``."""
-    from eqjax.methods.gptq import group_ids  # noqa: PLC0415
-
     gran = spec.granularity
     gid, ng = group_ids(tuple(u.shape[a] for a in u.contracting), gran.group_size if gran.kind == "group" else None)
     s, z, _ = search_grid(weight_matrix(w, u), h, gid, ng, bits=spec.bits, symmetric=spec.symmetric,

@@ -223,8 +223,7 @@ class SignRound:
         """Per weight ``(scale float32, zero point float32)`` in the param's scale layout."""
         out = {}
         if self.init == "search":
-            from eqjax.methods.gptq import grids_to_param, place_grid  # noqa: PLC0415
-            from eqjax.methods.grid import grid_of_use  # noqa: PLC0415
+            from eqjax.methods.grid import grid_of_use, grids_to_param, place_grid  # noqa: PLC0415
 
             uses = [u for u in bc.uses if u.path in weights]
             stats = bc.statistics({"xtx": xtx()}, uses, p)

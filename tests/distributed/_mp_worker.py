@@ -64,7 +64,9 @@ def main() -> int:
         x = rng.standard_normal((16, 8, 32)).astype(np.float32)  # every host can make it; uses only its rows
         w = rng.standard_normal((64, 32)).astype(np.float32)
         mesh = jax.make_mesh((info.device_count,), ("data",))
-        stats = {"amax": D.channel_absmax(), "h": D.xtx(), "n": D.row_count(), "s": D.channel_sum()}
+        from eqjax import statistics as S
+
+        stats = {"amax": S.absmax(), "h": S.xtx(), "n": S.count(), "s": S.abs_sum()}
 
         local = x[D.host_rows(x.shape[0])]
         xg = D.global_batch(local, mesh, "data")

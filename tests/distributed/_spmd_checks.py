@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eqjax import distributed as D  # noqa: E402
+from eqjax import statistics as S  # noqa: E402
 from eqjax.ema import ema_absmax  # noqa: E402
 from eqjax.numerics import QuantSpec, quantize  # noqa: E402
 from eqjax.qarray import per_channel, per_group, per_tensor, validate  # noqa: E402
@@ -53,19 +54,19 @@ def main() -> None:
     x = (rng.standard_normal((16, 8, K)) * rng.uniform(0.1, 8.0, K)).astype(np.float32)
     w = rng.standard_normal((K, O)).astype(np.float32)
     stats = {
-        "absmax": D.channel_absmax(),
-        "min": D.channel_min(),
-        "max": D.channel_max(),
-        "sum": D.channel_sum(),
-        "xtx": D.xtx(),
-        "count": D.row_count(),
+        "absmax": S.absmax(),
+        "min": S.minimum(),
+        "max": S.maximum(),
+        "abs_mean": S.abs_sum(),
+        "xtx": S.xtx(),
+        "count": S.count(),
     }
     ref = jax.jit(lambda a: D.compute_statistics(stats, a))(x)
     # the blockwise definition is exact on integer-valued data (every partial sum is an integer < 2**24)
     xi = rng.integers(-3, 4, (16, 8, K)).astype(np.float32)
-    ref_i = jax.jit(lambda a: D.compute_statistics({"xtx": D.xtx()}, a))(xi)["xtx"]
-    xr = xi.reshape(-1, K).astype(np.float64)
-    out["xtx_integer_data_exact"] = same(ref_i, (xr.T @ xr).astype(np.float32))
+    ref_i = jax.jit(lambda a: D.compute_statistics({"xtx": S.xtx()}, a))(xi)["xtx"]
+    xr = xi.reshape(-1, K).astype(np.float64)  # 128 rows: the finalizing division by 2**7 is exact too
+    out["xtx_integer_data_exact"] = same(ref_i, (xr.T @ xr / len(xr)).astype(np.float32))
 
     from eqjax.methods.gptq import gptq_quantize
     from eqjax.methods.smoothquant import smooth_scales

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from eqjax import distributed as D
+from eqjax import statistics as S
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -72,39 +73,39 @@ def test_tree_sum_order():
 def test_compute_statistics_values():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((8, 4, 6)).astype(np.float32)
-    stats = {"a": D.channel_absmax(), "lo": D.channel_min(), "hi": D.channel_max(), "s": D.channel_sum(),
-             "h": D.xtx(), "n": D.row_count()}
+    stats = {"a": S.absmax(), "lo": S.minimum(), "hi": S.maximum(), "s": S.abs_sum(), "h": S.xtx(), "n": S.count()}
     got = D.compute_statistics(stats, jnp.asarray(x), num_blocks=4)
     r = x.reshape(-1, 6).astype(np.float64)
     np.testing.assert_array_equal(got["a"], np.abs(x).reshape(-1, 6).max(0))
     np.testing.assert_array_equal(got["lo"], x.reshape(-1, 6).min(0))
     np.testing.assert_array_equal(got["hi"], x.reshape(-1, 6).max(0))
-    np.testing.assert_allclose(got["s"], r.sum(0), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got["h"], r.T @ r, rtol=1e-5, atol=1e-4)
-    assert int(got["n"]) == 32 and got["n"].dtype == jnp.int32
+    np.testing.assert_allclose(got["s"], np.abs(r).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["h"], r.T @ r / 32, rtol=1e-5, atol=1e-5)
+    assert float(got["n"]) == 32.0 and got["n"].dtype == jnp.float32
 
 
 def test_compute_statistics_errors():
     x = jnp.zeros((6, 3), jnp.float32)
     with pytest.raises(ValueError, match="blocks"):
-        D.compute_statistics({"h": D.xtx()}, x, num_blocks=4)
+        D.compute_statistics({"h": S.xtx()}, x, num_blocks=4)
     with pytest.raises(ValueError, match="multiple"):
-        D.compute_statistics({"h": D.xtx()}, x, num_blocks=3, axis_size=2)
+        D.compute_statistics({"h": S.xtx()}, x, num_blocks=3, axis_size=2)
+    mean = S.Statistic("mean", S.count().init, S.count().partial, "mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="merge"):
-        D.Statistic(lambda a: a, "mean")  # type: ignore[arg-type]
+        D.compute_statistics({"m": mean}, x, num_blocks=2)
 
 
 def test_sharded_statistics_one_device_mesh():
     mesh = jax.make_mesh((1,), ("data",))
     x = np.random.default_rng(2).standard_normal((8, 5)).astype(np.float32)
-    stats = {"a": D.channel_absmax(), "h": D.xtx()}
+    stats = {"a": S.absmax(), "h": S.xtx()}
     got = D.sharded_statistics(stats, mesh)(x)
     ref = jax.jit(lambda a: D.compute_statistics(stats, a))(x)
     for k in stats:
         assert np.asarray(got[k]).tobytes() == np.asarray(ref[k]).tobytes()
     with pytest.raises(ValueError, match="no axis"):
         D.sharded_statistics(stats, mesh, "batch")
-    assert np.asarray(D.sharded_statistic(D.channel_absmax(), mesh)(x)).tobytes() == np.asarray(ref["a"]).tobytes()
+    assert np.asarray(D.sharded_statistic(S.absmax(), mesh)(x)).tobytes() == np.asarray(ref["a"]).tobytes()
 
 
 def test_quantize_sharded_rejects_bad_layouts():

@@ -215,7 +215,8 @@ def test_smollm2_gptq_w4_beats_rtn():
 
 def test_stored_qarray_is_exactly_gptq_choice():
     """dequantize(QArray) reproduces the float values the GPTQ sweep chose, bit for bit."""
-    from eqjax.methods.gptq import _gptq_core, group_ids
+    from eqjax.methods.gptq import _gptq_core
+    from eqjax.methods.grid import group_ids
 
     x, w = _layer(n_in=32, n_out=8, n_tok=128)
     h = (2 * x.T.astype(np.float64) @ x / len(x))

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.methods.gptq import GPTQ, gptq_matrix, group_ids
-from eqjax.methods.grid import SearchedRTN, search_grid
+from eqjax.methods.gptq import GPTQ, gptq_matrix
+from eqjax.methods.grid import SearchedRTN, group_ids, search_grid
 from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
 from eqjax.numerics import QuantSpec, dequantize, quantize, quantize_with

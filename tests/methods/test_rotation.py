@@ -20,7 +20,7 @@ from eqjax.linear import linear
 from eqjax.methods.rotation import LAYERS, Rotation, rotate_params
 from eqjax.methods.rtn import RTN
 from eqjax.models import GPT2Config, LlamaConfig, Model
-from eqjax.numerics import QuantSpec, dequantize, quantize
+from eqjax.numerics import QuantSpec, dequantize, dequantize_leaf, quantize
 from eqjax.pytree import flatten_with_paths, unflatten_paths
 from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel
 from eqjax.recipe import Recipe, quantize as quantize_recipe, recipe_from_dict, with_paths
@@ -78,7 +78,7 @@ def test_rotated_kernel_in_linear_equals_explicit_rotation():
     q = rotation_matrix(12, s)
     rk = RotatedKernel(jnp.asarray(q.T @ w, jnp.float32), 3, 0)
     np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), {"kernel": rk})), x @ w, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(rk.materialize()), w, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dequantize_leaf(rk)), w, atol=1e-5)
     # a quantized inner kernel: (x Q) @ dequant(inner)
     qa = _qarray(q.T @ w)
     got = linear(jnp.asarray(x), {"kernel": RotatedKernel(qa, 3, 0)})

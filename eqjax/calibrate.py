@@ -53,7 +53,8 @@ from eqjax.core.folds import Fold, find_fold
 from eqjax.core.interpret import DotHook, run
 from eqjax.core.program import Program, trace
 from eqjax.distributed.merge import Reduction, merge_slots
-from eqjax.distributed.mesh import MODEL, default_mesh, n_steps, param_sharding, place, replicated, slot_axes, stack_step
+from eqjax.distributed.mesh import (MODEL, default_mesh, n_steps, param_sharding, place, put, replicated, slot_axes,
+                                   stack_step)
 from eqjax.errors import InputError
 from eqjax.statistics import Statistic
 from jax.sharding import Mesh
@@ -217,7 +218,8 @@ class BlockCalibration:
         groups = group_uses_by_input(uses)
         items = tuple(stats.items())
         fn = self.cal._step(self.block, groups_key(groups), items, sink_tokens, float(sink_weight), outputs=False)
-        states = jax.device_put([{n: st.init(g[0].k) for n, st in items} for g in groups], replicated(self.cal.mesh))
+        rep = replicated(self.cal.mesh)
+        states = jax.tree.map(lambda a: put(a, rep), [{n: st.init(g[0].k) for n, st in items} for g in groups])
         sub = self.cal._params_for(self.block, params)
         for env, valid in zip(self.envs, self.valids):
             _, states = fn(sub, self.cal._ins(self.block, env), states, valid)

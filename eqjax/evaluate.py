@@ -85,7 +85,7 @@ def perplexity(
     Token ids outside the model's vocabulary raise :class:`~eqjax.errors.CompatibilityError`; a NaN or
     Inf loss or perplexity raises :class:`~eqjax.errors.NonFiniteResult` (never a silent ``inf``).
     """
-    from eqjax.distributed.mesh import default_mesh, replicated, slot_axes, stack_step  # noqa: PLC0415
+    from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step  # noqa: PLC0415
 
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:
@@ -106,7 +106,7 @@ def perplexity(
         return jax.lax.all_gather(window_nll(model, p, t[0], kv_quant), axes)  # [S, bs], replicated
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
-    params = jax.tree.map(lambda x: jax.device_put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
+    params = jax.tree.map(lambda x: put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
     steps = -(-len(batches) // mesh.size)
     t0 = time.perf_counter()
     first, _ = stack_step(batches, 0, mesh)

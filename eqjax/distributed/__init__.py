@@ -20,7 +20,7 @@ from eqjax.distributed.consistency import InconsistentJobError, check_same_job, 
 from eqjax.distributed.ema import synced_ema_update
 from eqjax.distributed.merge import COLLECTIVES, Reduction, merge_slots
 from eqjax.distributed.mesh import (DATA, MODEL, default_mesh, describe_mesh, device_bytes, make_mesh, n_steps,
-                                    param_sharding, place, replicated, set_default_mesh, slot_axes, slot_sharding,
+                                    param_sharding, place, put, replicated, set_default_mesh, slot_axes, slot_sharding,
                                     stack_step, use_mesh)
 from eqjax.distributed.sharded import (DEFAULT_BLOCKS, _axes_tuple, compute_statistics, global_batch,  # noqa: F401
                                        host_rows, sharded_statistic, sharded_statistics, tree_sum)
@@ -31,7 +31,7 @@ from eqjax.distributed.runtime import (DEFAULT_TIMEOUT_S, DistributedError, Dist
 
 __all__ = [
     "DATA", "MODEL", "make_mesh", "default_mesh", "use_mesh", "set_default_mesh", "slot_axes", "replicated", "slot_sharding",
-    "param_sharding", "place", "stack_step", "n_steps", "device_bytes", "describe_mesh",
+    "param_sharding", "place", "put", "stack_step", "n_steps", "device_bytes", "describe_mesh",
     "Reduction", "merge_slots", "COLLECTIVES",
     "DistributedError", "DistributedInfo", "init_distributed", "add_distributed_args", "init_from_args", "finish",
     "shutdown_distributed", "is_main_process", "process_count", "write_once", "barrier", "broadcast_str",

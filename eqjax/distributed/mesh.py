@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "DATA", "MODEL", "make_mesh", "default_mesh", "use_mesh", "set_default_mesh", "slot_axes", "replicated", "slot_sharding",
+    "DATA", "MODEL", "put", "make_mesh", "default_mesh", "use_mesh", "set_default_mesh", "slot_axes", "replicated", "slot_sharding",
     "param_sharding", "place", "stack_step", "n_steps", "device_bytes", "describe_mesh",
 ]
 
@@ -114,20 +114,36 @@ def param_sharding(shape: Sequence[int], mesh: Mesh, axes: Sequence[int] = ()) -
     return replicated(mesh)
 
 
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``x`` (a host value, a local jax.Array or a global one) as a global array with ``sharding``.
+
+    Every process must pass the same value for a local ``x``. In a multi-process job,
+    ``jax.device_put`` of a local jax.Array onto devices of other processes either fails (committed
+    arrays) or builds an array whose shards cannot be read (uncommitted ones, jax 0.10 CPU); such
+    values go through the host (:func:`jax.make_array_from_callback`: each process fills its devices).
+    """
+    if isinstance(x, jax.Array):
+        if x.sharding == sharding:
+            return x
+        if not x.is_fully_addressable:
+            return jax.device_put(x, sharding)  # global -> global: a reshard XLA does
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def place(tree: Any, sharding_of: Callable[[tuple[int, ...]], NamedSharding]) -> Any:
     """Every array leaf of ``tree`` (QArray children included) on the mesh with ``sharding_of(shape)``.
 
     A leaf already there is returned as is; host or single-device leaves are copied (every process
-    must hold the same value: ``jax.device_put`` takes each process's own copy for its devices).
+    must hold the same value: :func:`put` takes each process's own copy for its devices).
     """
 
     def one(x: Any) -> Any:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             return x
-        s = sharding_of(tuple(x.shape))
-        if isinstance(x, jax.Array) and x.sharding == s:
-            return x
-        return jax.device_put(x, s)
+        return put(x, sharding_of(tuple(x.shape)))
 
     return jax.tree.map(one, tree)
 

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from eqjax.numerics import QuantSpec, check_finite, compute_range, quantize_with, range_to_qparams
 from eqjax.qarray import QArray, QArrayError, codes_per_word, is_packed, pack_axis_for, per_group, scale_shape
 
+from eqjax.distributed.mesh import put
 from eqjax.distributed.sharded import _place
 
 __all__ = ["quantize_sharded", "qarray_shardings"]
@@ -166,8 +167,8 @@ def quantize_sharded(
         lo, hi = jax.jit(lambda w_: f_ranges(_place(w_, mesh, w_spec)))(w)
     else:
         # percentile / mse: no exact merge of partial ranges; computed on a replicated copy.
-        lo, hi = _jit_range(jax.device_put(w, NamedSharding(mesh, P())), spec)
-        lo, hi = (jax.device_put(a, NamedSharding(mesh, s_spec)) for a in (lo, hi))
+        lo, hi = _jit_range(put(w, NamedSharding(mesh, P())), spec)
+        lo, hi = (put(a, NamedSharding(mesh, s_spec)) for a in (lo, hi))
     # Jitted like eqjax.numerics.quantize: XLA turns `/ qmax` into `* (1 / qmax)` when qmax is a
     # compile-time constant, so eager and jitted qparams can differ by 1 ulp.
     scale, zp = _jit_qparams(lo, hi, spec.bits, spec.symmetric, spec.scale_dtype)

@@ -215,14 +215,14 @@ def _global(arrays: dict[str, Any]) -> dict[str, Any]:
     """Every array as a global jax.Array on the current mesh (host / single-device leaves replicated)."""
     import jax
 
-    from eqjax.distributed.mesh import default_mesh, replicated
+    from eqjax.distributed.mesh import default_mesh, put, replicated
 
     rep = replicated(default_mesh())
     out = {}
     for k, v in arrays.items():
         sh = getattr(v, "sharding", None)
         out[k] = v if isinstance(v, jax.Array) and len(getattr(sh, "device_set", ())) == jax.device_count() else (
-            jax.device_put(v, rep))
+            put(v, rep))
     return out
 
 
@@ -373,7 +373,7 @@ def _restore(ocp: Any, path: pathlib.Path) -> dict[str, Any]:
     """The arrays, each replicated on the current mesh (whatever mesh or process count saved them)."""
     import jax
 
-    from eqjax.distributed.mesh import default_mesh, replicated
+    from eqjax.distributed.mesh import default_mesh, put, replicated
 
     ck = ocp.StandardCheckpointer()
     tree = ck.metadata(path).item_metadata.tree

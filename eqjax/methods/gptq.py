@@ -283,9 +283,11 @@ def _gptq_columns(mesh: Any, W: jax.Array, U: jax.Array, perm: jax.Array, gid: j
     from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+    from eqjax.distributed.mesh import put  # noqa: PLC0415
+
     axes = tuple(mesh.axis_names)
-    W = jax.device_put(W, NamedSharding(mesh, P(axes, None)))
-    U, perm, gid = (jax.device_put(a, NamedSharding(mesh, P())) for a in (U, perm, gid))
+    W = put(W, NamedSharding(mesh, P(axes, None)))
+    U, perm, gid = (put(a, NamedSharding(mesh, P())) for a in (U, perm, gid))
     out = _sharded_core(mesh, n_groups, tuple(sorted(kw.items())))(W, U, perm, gid)
     return (out[0], out[1], out[2] if len(out) == 3 else None)
 

@@ -95,6 +95,15 @@ def main() -> int:
                       for a in (q.values, q.scale, q.zero_point)]
             tp.append((spec, fields))
 
+        # local jax arrays (uncommitted, committed) and host values onto a sharding spanning both processes
+        locals_ = [np.arange(6, dtype=np.float32), jnp.arange(6, dtype=jnp.float32),
+                   jax.device_put(np.arange(6, dtype=np.float32), jax.local_devices()[0])]
+        placed = []
+        for v in locals_:
+            g = D.put(v, rep)
+            placed.append(all(np.array_equal(np.asarray(sh.data), np.arange(6)) for sh in g.addressable_shards)
+                          and len(g.addressable_shards) == jax.local_device_count())
+
         def write(path):
             dev = jax.local_devices()[0]
             with jax.default_device(dev):
@@ -107,6 +116,7 @@ def main() -> int:
                     "stats": {k: _same(got[k], ref[k]) for k in stats},
                     "ema": _same(ema_got, st.absmax),
                     "tp": [],
+                    "placed": placed,
                     "process_count": jax.process_count(),
                     "device_count": jax.device_count(),
                 }

@@ -87,6 +87,27 @@ def test_sink_weighting_and_eqjax_oracle():
     np.testing.assert_allclose(st["absmax"], np.abs(x).max(0), rtol=1e-5)
 
 
+def test_sink_upweighting_oracle():
+    """sink_weight > 1 (GPTQ's default) up-weights the first position: a float64 weighted X^T W X / sum(w)."""
+    model, params = zoo.make_eqjax("llama")
+    toks = np.asarray(jax.random.randint(jax.random.key(2), (2, 6), 0, 64), np.int32)
+    cal = Calibrator.from_model(lambda p, t: model.apply(p, t)[0], params, [(toks,)])
+    seen = {}
+
+    def per_block(bc, p):
+        seen[bc.name] = bc.statistics({"xtx": xtx(), "n": count()}, sink_tokens=1, sink_weight=8.0)
+        return p
+
+    cal.run_blocks(_flat(params), per_block)
+    h0 = model.embed(params, jnp.asarray(toks))
+    x = np.asarray(llama_mod.rms_norm(h0, params["layers_0"]["attn_norm"]["scale"], model.config.rms_norm_eps))
+    w = np.where(np.arange(6) == 0, 8.0, 1.0)[None, :].repeat(2, 0).reshape(-1)
+    x = x.reshape(-1, 32).astype(np.float64)
+    st = seen["layers_0"]["layers_0/attn/q_proj/kernel"]
+    assert float(st["n"]) == w.sum()
+    np.testing.assert_allclose(st["xtx"], (x * w[:, None]).T @ x / w.sum(), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("advance", ["new", "original"])
 def test_sequential_semantics(advance):
     """Block 1 sees block 0's outputs computed with the new params ('new') or the old ones ('original')."""

@@ -196,7 +196,7 @@ def test_stacked_params_of_a_scan():
 
 @pytest.mark.slow
 def test_smollm2_gptq_w4_beats_rtn():
-    """Real model: GPTQ W4 g128 (act-order, first token excluded) beats RTN of the same format."""
+    """Real model: GPTQ W4 g128 (act-order, the sink token weighted 32x: the defaults) beats RTN of the same format."""
     from eqjax import data
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import load_gguf

@@ -119,7 +119,10 @@ def _capture(bc, use, ins):
             seen.append(activation_matrix(x, u))
         return default(x, w)
 
-    bc.function(hook)(bc.cal._params_for(bc.block, bc.params), ins)
+    # on one device: eager ops on arrays spread over the 4 forced devices can stall XLA CPU's
+    # collective rendezvous (seen under load); the oracle only needs the activations' values
+    host = lambda tree: jax.tree.map(np.asarray, tree)  # noqa: E731
+    bc.function(hook)(host(bc.cal._params_for(bc.block, bc.params)), host(ins))
     return seen[0]
 
 

@@ -67,21 +67,26 @@ def test_statistics_equal_flax_interception_oracle():
     assert got["model/layers/1/self_attn/k_proj/kernel"] is st
 
 
-def test_sink_weighting_and_eqjax_oracle():
+def _layer0_stats(key: int, shape: tuple[int, int], stats: dict, **kw):
+    """Statistics of layers_0's q_proj input through the Calibrator, and that input [B, T, 32] (float64)."""
     model, params = zoo.make_eqjax("llama")
-    toks = np.asarray(jax.random.randint(jax.random.key(1), (3, 10), 0, 64), np.int32)
+    toks = np.asarray(jax.random.randint(jax.random.key(key), shape, 0, 64), np.int32)
     cal = Calibrator.from_model(lambda p, t: model.apply(p, t)[0], params, [(toks,)])
     seen = {}
 
     def per_block(bc, p):
-        seen[bc.name] = bc.statistics({"xtx": xtx(), "n": count(), "absmax": absmax()}, sink_tokens=1)
+        seen[bc.name] = bc.statistics(stats, **kw)
         return p
 
     cal.run_blocks(_flat(params), per_block)
     h0 = model.embed(params, jnp.asarray(toks))
     x = np.asarray(llama_mod.rms_norm(h0, params["layers_0"]["attn_norm"]["scale"], model.config.rms_norm_eps))
-    x = x[:, 1:].reshape(-1, 32).astype(np.float64)  # first position of every window excluded
-    st = seen["layers_0"]["layers_0/attn/q_proj/kernel"]
+    return seen["layers_0"]["layers_0/attn/q_proj/kernel"], x.astype(np.float64)
+
+
+def test_sink_weighting_and_eqjax_oracle():
+    st, x = _layer0_stats(1, (3, 10), {"xtx": xtx(), "n": count(), "absmax": absmax()}, sink_tokens=1)
+    x = x[:, 1:].reshape(-1, 32)  # first position of every window excluded
     assert float(st["n"]) == 3 * 9
     np.testing.assert_allclose(st["xtx"], x.T @ x / len(x), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(st["absmax"], np.abs(x).max(0), rtol=1e-5)
@@ -89,21 +94,9 @@ def test_sink_weighting_and_eqjax_oracle():
 
 def test_sink_upweighting_oracle():
     """sink_weight > 1 (GPTQ's default) up-weights the first position: a float64 weighted X^T W X / sum(w)."""
-    model, params = zoo.make_eqjax("llama")
-    toks = np.asarray(jax.random.randint(jax.random.key(2), (2, 6), 0, 64), np.int32)
-    cal = Calibrator.from_model(lambda p, t: model.apply(p, t)[0], params, [(toks,)])
-    seen = {}
-
-    def per_block(bc, p):
-        seen[bc.name] = bc.statistics({"xtx": xtx(), "n": count()}, sink_tokens=1, sink_weight=8.0)
-        return p
-
-    cal.run_blocks(_flat(params), per_block)
-    h0 = model.embed(params, jnp.asarray(toks))
-    x = np.asarray(llama_mod.rms_norm(h0, params["layers_0"]["attn_norm"]["scale"], model.config.rms_norm_eps))
+    st, x = _layer0_stats(2, (2, 6), {"xtx": xtx(), "n": count()}, sink_tokens=1, sink_weight=8.0)
     w = np.where(np.arange(6) == 0, 8.0, 1.0)[None, :].repeat(2, 0).reshape(-1)
-    x = x.reshape(-1, 32).astype(np.float64)
-    st = seen["layers_0"]["layers_0/attn/q_proj/kernel"]
+    x = x.reshape(-1, 32)
     assert float(st["n"]) == w.sum()
     np.testing.assert_allclose(st["xtx"], (x * w[:, None]).T @ x / w.sum(), rtol=1e-4, atol=1e-6)
 

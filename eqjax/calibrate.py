@@ -53,8 +53,7 @@ from eqjax.core.folds import Fold, find_fold
 from eqjax.core.interpret import DotHook, run
 from eqjax.core.program import Program, trace
 from eqjax.distributed.merge import Reduction, merge_slots
-from eqjax.distributed.mesh import (MODEL, default_mesh, n_steps, param_sharding, place, put, replicated, slot_axes,
-                                   stack_step)
+from eqjax.distributed.mesh import MODEL, default_mesh, n_steps, param_sharding, place, replicated, slot_axes, stack_step
 from eqjax.errors import InputError
 from eqjax.statistics import Statistic
 from jax.sharding import Mesh
@@ -219,7 +218,7 @@ class BlockCalibration:
         items = tuple(stats.items())
         fn = self.cal._step(self.block, groups_key(groups), items, sink_tokens, float(sink_weight), outputs=False)
         rep = replicated(self.cal.mesh)
-        states = jax.tree.map(lambda a: put(a, rep), [{n: st.init(g[0].k) for n, st in items} for g in groups])
+        states = place([{n: st.init(g[0].k) for n, st in items} for g in groups], lambda shape: rep)
         sub = self.cal._params_for(self.block, params)
         for env, valid in zip(self.envs, self.valids):
             _, states = fn(sub, self.cal._ins(self.block, env), states, valid)

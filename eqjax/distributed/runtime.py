@@ -302,13 +302,10 @@ def collective_failure(exc: BaseException) -> str | None:
     a JAX runtime error or no watchdog runs (single process).
     """
     wd = _STATE.watchdog
-    runtime_errors = tuple(t for t in (getattr(jax.errors, "JaxRuntimeError", None),) if t is not None)
-    if wd is None or not runtime_errors or not isinstance(exc, runtime_errors):
+    if wd is None or not isinstance(exc, jax.errors.JaxRuntimeError):
         return None
     wd.stage = f"{wd.stage}, then a collective failed"
-    deadline = time.monotonic() + wd.timeout + 3 * wd.interval
-    while time.monotonic() < deadline:  # the watchdog thread ends the process if a peer is dead
-        time.sleep(wd.interval)
+    time.sleep(wd.timeout + 3 * wd.interval)  # the watchdog thread ends the process if a peer is dead
     first = " ".join(str(exc).split())[:300]
     return (f"process {jax.process_index()} of {jax.process_count()}: a collective with the other processes failed "
             f"while every peer kept its heartbeat (network or transport problem): {first}")

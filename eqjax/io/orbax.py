@@ -373,7 +373,7 @@ def _restore(ocp: Any, path: pathlib.Path) -> dict[str, Any]:
     """The arrays, each replicated on the current mesh (whatever mesh or process count saved them)."""
     import jax
 
-    from eqjax.distributed.mesh import default_mesh, put, replicated
+    from eqjax.distributed.mesh import default_mesh, replicated
 
     ck = ocp.StandardCheckpointer()
     tree = ck.metadata(path).item_metadata.tree

@@ -11,20 +11,24 @@ Rows (all in one run, the same onnxruntime / onnxruntime-genai, the same token i
                   windows) + embedding / tied LM head int4 groups of 32 (RTN, asymmetric), exported with
                   ``export_package`` at MatMulNBits accuracy level 4 (``--target cpu-int8``) and 0
                   (``--target cpu``, the default)
-  eqjax-w8a8      ``w8a8-smoothquant`` (W8 per channel + A8 per token, MatMulInteger u8 x u8)
+  eqjax-w8a8      ``w8a8-smoothquant`` (W8 per channel + A8 per token, MatMulIntegerToFloat u8 x u8: exact on
+                  every x86 CPU), LM head float (Gemm)
   eqjax-fp32      no quantization
   genai-int4 / genai-int4-kquant   ``python -m onnxruntime_genai.models.builder -p int4 -e cpu`` (defaults /
                   ``--extra_options int4_algo_config=k_quant``) on the *same* weights, written as an HF
                   directory by ``eqjax.io.hf.save_hf_checkpoint`` with eqjax's tokenizer.json. The builder
                   needs transformers >= 5 and onnx-ir: it runs in its own virtual env (``--genai-venv``,
                   made once with ``--system-site-packages`` + transformers==5.17.0 onnx-ir==1.1.0)
-  ort-dynamic     ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights, MatMul) of eqjax-fp32
+  ort-dynamic     ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights, MatMul) of eqjax-fp32; it
+                  quantizes the LM head too (per-tensor weights and activations, u8 x s8)
 
 Per row: file MiB (model.onnx + external data), perplexity on ``--eval-windows`` x ``--eval-len`` tokens of
 the Wikipedia evaluation half (eqjax's own perplexity of the same params beside ours), prefill ms
 (``--prefill`` tokens, batch 1, median of ``--reps``), decode tokens/s through the same plain loop
 (:class:`eqjax.export.runtime.Runner`, cache fed back at its length, ``--decode-tokens`` steps after the
-prefill) and through onnxruntime-genai's ``Generator`` (greedy, same prompt and count).
+prefill) and through onnxruntime-genai's ``Generator`` (greedy, same prompt and count). Every package is
+built first and kept; the timings then run in ``--rounds`` rounds interleaved over the rows (so a load
+change on the shared machine hits every row alike) and the table shows each figure's median.
 Writes ``bench/results/onnx.json`` and ``onnx.md``.
 """
 
@@ -99,11 +103,18 @@ def generator_tok_s(d: Path, prompt: np.ndarray, new: int) -> float | None:
     return best
 
 
-def measure(d: Path, windows: np.ndarray, prompt: np.ndarray, args, *, genai: bool) -> dict:
+def quality(d: Path, windows: np.ndarray, threads: int) -> dict:
     from eqjax.export.runtime import Runner, make_session, perplexity
 
+    r = Runner(make_session(d, threads=threads), head_dim=64)
+    return {"file_mib": package_bytes(d) / 2**20, "ppl_onnxruntime": perplexity(r, windows)}
+
+
+def timing(d: Path, prompt: np.ndarray, args) -> dict:
+    """One round: prefill ms (median of ``--reps``), plain-loop and Generator decode tokens/s."""
+    from eqjax.export.runtime import Runner, make_session
+
     r = Runner(make_session(d, threads=args.threads), head_dim=64)
-    ppl = perplexity(r, windows)
     r.greedy(prompt[:, :32], 3)  # warm-up
     ts = []
     for _ in range(args.reps):
@@ -111,12 +122,9 @@ def measure(d: Path, windows: np.ndarray, prompt: np.ndarray, args, *, genai: bo
         r.logits(prompt)
         ts.append(time.perf_counter() - t0)
     _, info = r.greedy(prompt, args.decode_tokens + 1)
-    row = {"file_mib": package_bytes(d) / 2**20, "ppl_onnxruntime": ppl, "prefill_ms": 1e3 * statistics.median(ts),
-           "decode_tok_s_plain": info["decode_tokens_per_s"]}
     del r
-    if genai:
-        row["decode_tok_s_generator"] = generator_tok_s(d, prompt[0], args.decode_tokens)
-    return row
+    return {"prefill_ms": 1e3 * statistics.median(ts), "decode_tok_s_plain": info["decode_tokens_per_s"],
+            "decode_tok_s_generator": generator_tok_s(d, prompt[0], args.decode_tokens)}
 
 
 def main(argv=None) -> int:
@@ -125,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds, interleaved over the rows (median)")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-windows", type=int, default=16)
@@ -159,13 +168,20 @@ def main(argv=None) -> int:
     prompt = token_windows(eval_ids, args.prefill, 1)
     only = set(args.only.split(",")) if args.only else None
     tmp = Path(tempfile.mkdtemp(prefix="eqjax_onnx_bench_"))
+    load_before = os.getloadavg()
     rows: list[dict] = []
 
     def want(name: str) -> bool:
         return only is None or name in only
 
-    def log(row: dict) -> None:
+    dirs: dict[str, Path] = {}
+
+    def log(row: dict, d: Path) -> None:
+        row.update(quality(d, windows, args.threads))
+        if row.get("ppl_eqjax") is not None:
+            row["ppl_rel_diff"] = row["ppl_onnxruntime"] / row["ppl_eqjax"] - 1
         rows.append(row)
+        dirs[row["variant"]] = d
         print(f"[onnx] {json.dumps(row)}", flush=True)
 
     def ours(name: str, desc: str, qp, levels) -> None:
@@ -175,13 +191,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             man = export_package(model, qp, d, tokenizer=tok, chat_template=template, accuracy_level=level,
                                  context_length=2048, recipe=name, check=level == 0)
-            row = {"variant": name + suffix, "description": desc, "accuracy_level": level,
-                   "export_s": time.perf_counter() - t0, "fused": man["fused"], "ppl_eqjax": jx,
-                   **measure(d, windows, prompt, args, genai=True)}
-            row["ppl_rel_diff"] = row["ppl_onnxruntime"] / jx - 1
-            log(row)
-            if name != "eqjax-fp32":
-                shutil.rmtree(d)
+            log({"variant": name + suffix, "description": desc, "accuracy_level": level,
+                 "export_s": time.perf_counter() - t0, "fused": man["fused"],
+                 "packed_attention": man.get("packed_attention"), "ppl_eqjax": jx}, d)
 
     if want("eqjax-int4-gptq"):
         t0 = time.perf_counter()
@@ -193,7 +205,7 @@ def main(argv=None) -> int:
         del qp
     if want("eqjax-w8a8"):
         qp = quantize(params, get_recipe("w8a8-smoothquant"), model=model, calibration=cal, seed=0)
-        ours("eqjax-w8a8", "SmoothQuant alpha 0.85, W8 per channel + A8 per token (MatMulInteger u8 x u8)", qp, [(0, "")])
+        ours("eqjax-w8a8", "SmoothQuant alpha 0.85, W8 per channel + A8 per token (MatMulIntegerToFloat u8 x u8)", qp, [(0, "")])
         del qp
     if want("eqjax-fp32") or want("ort-dynamic"):
         ours("eqjax-fp32", "float32", params, [(0, "")])
@@ -204,8 +216,7 @@ def main(argv=None) -> int:
                          op_types_to_quantize=["MatMul"], use_external_data_format=True,
                          # the fused com.microsoft ops (GroupQueryAttention, ...) defeat its shape inference
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-        log({"variant": "ort-dynamic", "description": "onnxruntime quantize_dynamic(QInt8 weights, MatMul) of eqjax-fp32",
-             **measure(d, windows, prompt, args, genai=True)})
+        log({"variant": "ort-dynamic", "description": "onnxruntime quantize_dynamic(QInt8 weights, MatMul) of eqjax-fp32: per-tensor int8 weights and activations, the Gemm LM head included (u8 x s8)"}, d)
     if want("genai-int4") or want("genai-int4-kquant"):
         py = ensure_genai_venv(Path(args.genai_venv))
         hf = tmp / "hf"
@@ -214,21 +225,35 @@ def main(argv=None) -> int:
 
         for name, text in tokenizer_files(tok, chat_template=template, context_length=2048).items():
             (hf / name).write_text(text)
-        for name, extra in (("genai-int4", []), ("genai-int4-kquant", ["--extra_options", "int4_algo_config=k_quant"])):
+        # `algo_config` (0.18's name; the deprecated `int4_algo_config` alias was silently not applied here)
+        for name, extra in (("genai-int4", []), ("genai-int4-kquant", ["--extra_options", "algo_config=k_quant"])):
             if not want(name):
                 continue
             d = tmp / name
             secs = run_builder(py, hf, d, extra)
             log({"variant": name, "description": f"onnxruntime-genai builder -p int4 -e cpu {' '.join(extra)}".strip(),
-                 "export_s": secs, **measure(d, windows, prompt, args, genai=True)})
+                 "export_s": secs}, d)
+    # timings: every package kept on disk, rounds interleaved over the rows (load drifts hit all rows alike)
+    runs: dict[str, list[dict]] = {r["variant"]: [] for r in rows}
+    for k in range(args.rounds):
+        for row in rows:
+            runs[row["variant"]].append(timing(dirs[row["variant"]], prompt, args))
+            print(f"[onnx] round {k} {row['variant']}: {json.dumps(runs[row['variant']][-1])}", flush=True)
+    for row in rows:
+        rs = runs[row["variant"]]
+        for key in rs[0]:
+            vals = [r[key] for r in rs if r[key] is not None]
+            row[key] = statistics.median(vals) if vals else None
+            row[key + "_rounds"] = vals
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpu": _cpu(), "cpus": os.cpu_count(), "threads": args.threads,
-                    "load_before": os.getloadavg(), "onnxruntime": ort.__version__,
+                    "load_before": load_before, "load_after": os.getloadavg(), "onnxruntime": ort.__version__,
                     "onnxruntime_genai": og.__version__, "jax": jax.__version__},
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32)",
         "eval": {"windows": args.eval_windows, "ctx": args.eval_len},
-        "latency": {"prefill_tokens": args.prefill, "reps": args.reps, "decode_tokens": args.decode_tokens},
+        "latency": {"prefill_tokens": args.prefill, "reps": args.reps, "decode_tokens": args.decode_tokens,
+                    "rounds": args.rounds},
         "results": rows,
     }
     out = Path(args.out)
@@ -260,11 +285,13 @@ def _markdown(r) -> str:
     m = r["machine"]
     lines = [
         "# Edge packages: SmolLM2-135M in onnxruntime (CPU)", "",
-        f"{r['date']}, {m['cpu']}, {m['threads']} threads, load average before the run {m['load_before'][0]:.1f} "
+        f"{r['date']}, {m['cpu']}, {m['threads']} threads, load average before / after the run "
+        f"{m['load_before'][0]:.1f} / {m.get('load_after', [float('nan')])[0]:.1f} "
         f"(shared machine), onnxruntime {m['onnxruntime']}, onnxruntime-genai {m['onnxruntime_genai']}. "
         f"Perplexity on {r['eval']['windows']} x {r['eval']['ctx']} tokens of the Wikipedia evaluation half; prefill "
         f"{r['latency']['prefill_tokens']} tokens (median of {r['latency']['reps']}); decode: "
-        f"{r['latency']['decode_tokens']} greedy tokens after that prefill.", "",
+        f"{r['latency']['decode_tokens']} greedy tokens after that prefill; timings are medians of "
+        f"{r['latency'].get('rounds', 1)} rounds interleaved over the rows.", "",
         "| variant | file MiB | ppl (onnxruntime) | ppl (eqjax) | diff | prefill ms | decode tok/s (plain loop) | "
         "decode tok/s (genai Generator) |",
         "|---|---|---|---|---|---|---|---|",

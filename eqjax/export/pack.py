@@ -5,6 +5,12 @@ weights concatenated along ``N`` (B, scales and zero points are per output row, 
 exact) reads the activation once and runs one kernel instead of three, which is most of what a decode
 step costs on a CPU. Siblings pack only when every attribute (K, bits, block size, accuracy level) and
 the presence of zero points agree and their weights are initializers read by nothing else.
+
+:func:`fuse_packed_attention` then hands a packed Q/K/V straight to ``GroupQueryAttention`` (its packed
+input form, with the RoPE tables and ``do_rotary=1``) instead of ``Split`` + two ``RotaryEmbedding`` +
+reshapes: what onnxruntime-genai's own builder emits. GQA then derives positions from ``seqlens_k``
+(past length + offset), so ``position_ids`` is no longer read: right for contiguous positions (what
+onnxruntime-genai and eqjax's runners feed), not for custom position ids.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["pack_siblings"]
+__all__ = ["pack_siblings", "fuse_packed_attention"]
 
 
 def _attrs(n: onnx.NodeProto) -> dict:
@@ -80,3 +86,75 @@ def pack_siblings(m: onnx.ModelProto) -> int:
     del g.initializer[:]
     g.initializer.extend(keep)
     return packed
+
+
+def _consumers(g: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in g.node:
+        for i in n.input:
+            out[i].append(n)
+    return out
+
+
+def _through_reshapes(x: str, producers: dict, consumers: dict, chain: list) -> str:
+    """Follow single-reader Reshapes back from ``x``; the Reshape nodes go into ``chain``."""
+    while x in producers and producers[x].op_type == "Reshape" and len(consumers[x]) == 1:
+        chain.append(producers[x])
+        x = producers[x].input[0]
+    return x
+
+
+def fuse_packed_attention(m: onnx.ModelProto) -> int:
+    """Feed packed Q/K/V projections to GroupQueryAttention directly (rotary inside); returns how many.
+
+    Applies where a GQA (``do_rotary=0``) reads ``RotaryEmbedding(q)``, ``RotaryEmbedding(k)`` (rotate-half,
+    one cos/sin table covering the whole head) and ``v``, and q, k, v are the three outputs, in that order
+    and read by nothing else, of one ``Split`` of a packed projection (:func:`pack_siblings`).
+    """
+    g = m.graph
+    producers = {o: n for n in g.node for o in n.output}
+    consumers = _consumers(g)
+    inits = {t.name: t for t in g.initializer}
+    drop: set[int] = set()
+    fused = 0
+    for gqa in g.node:
+        a = _attrs(gqa) if gqa.op_type == "GroupQueryAttention" else {}
+        if not a or a.get("do_rotary", 0) or len(gqa.input) != 7:
+            continue
+        ropes = [producers.get(gqa.input[i]) for i in (0, 1)]
+        if any(r is None or r.op_type != "RotaryEmbedding" or _attrs(r).get("interleaved", 0)
+               or len(consumers[r.output[0]]) != 1 for r in ropes):
+            continue
+        rq, rk = ropes
+        if rq.input[1:] != rk.input[1:] or rq.input[2] not in inits:
+            continue
+        chain: list = []
+        v = _through_reshapes(gqa.input[2], producers, consumers, chain)
+        split = producers.get(rq.input[0])
+        if (split is None or split.op_type != "Split" or list(split.output) != [rq.input[0], rk.input[0], v]
+                or any(len(consumers[o]) != 1 for o in split.output)):
+            continue
+        hq, hkv = a["num_heads"], a["kv_num_heads"]
+        sizes = numpy_helper.to_array(inits[split.input[1]]) if split.input[1] in inits else None
+        half = inits[rq.input[2]].dims[1]
+        if sizes is None or sizes[0] % hq or list(sizes) != [sizes[0], sizes[0] // hq * hkv, sizes[0] // hq * hkv] \
+                or 2 * half != sizes[0] // hq:
+            continue
+        ins = list(gqa.input)
+        del gqa.input[:]
+        gqa.input.extend([split.input[0], "", "", *ins[3:7], rq.input[2], rq.input[3]])
+        for att in gqa.attribute:
+            if att.name == "do_rotary":
+                att.i = 1
+        gqa.attribute.append(helper.make_attribute("rotary_interleaved", 0))
+        drop.update(id(n) for n in (split, rq, rk, *chain))
+        fused += 1
+    if fused:
+        keep = [n for n in g.node if id(n) not in drop]
+        del g.node[:]
+        g.node.extend(keep)
+        used = {i for n in g.node for i in n.input}
+        keep_i = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep_i)
+    return fused

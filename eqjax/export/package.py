@@ -138,9 +138,10 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
             "gqa": w.counts.get("GroupQueryAttention", 0) == L, "context_length": context_length}
     proto = g.finish(f"eqjax_{getattr(c, 'model_type', 'decoder')}")
     if fuse:
-        from eqjax.export.pack import pack_siblings  # noqa: PLC0415
+        from eqjax.export.pack import fuse_packed_attention, pack_siblings  # noqa: PLC0415
 
         info["packed_matmuls"] = pack_siblings(proto)
+        info["packed_attention"] = fuse_packed_attention(proto)
     return proto, info
 
 

@@ -16,11 +16,12 @@ weight-only, 2 / 4 / 8 bits            ``com.microsoft.MatMulNBits``: B ``[N, K/
                                        ``accuracy_level`` from the target (:mod:`eqjax.export.package`)
 weight-only, 5..7 bits                 ``DequantizeLinear`` (canonical ``[K, N]``, per-axis or blocked)
                                        -> ``MatMul``
-ActQuantKernel (W8A8)                  per-token int8 activations built from ``ReduceMax(Abs)``, ``Round``,
-                                       ``Clip`` as :func:`eqjax.linear.quantize_activations`, then
-                                       ``MatMulInteger`` with *both* operands uint8 (``q + 128``,
-                                       ``w + 128``, zero points 128): exact on every x86 CPU (u8 x s8
-                                       saturates int16 pair sums without VNNI; u8 x u8 widens to 16 bits)
+ActQuantKernel (W8A8)                  per-token int8 activations as :func:`eqjax.linear.quantize_activations`
+                                       (scale ``ReduceMax(Abs) / 127``, codes by ``QuantizeLinear`` per
+                                       row), then ``com.microsoft.MatMulIntegerToFloat`` with *both*
+                                       operands uint8 (``q + 128``, ``w + 128``, zero points 128) and the
+                                       weight scales: exact on every x86 CPU (u8 x s8 saturates int16 pair
+                                       sums without VNNI; u8 x u8 widens to 16 bits)
 embedding gather, 2 / 4 / 8 bits       ``com.microsoft.GatherBlockQuantized`` (gather_axis 0,
                                        quantize_axis 1) on the *same* initializer as the tied LM head's
                                        MatMulNBits (reshaped), so a tied table is stored once
@@ -35,6 +36,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import onnx
 
 from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 from eqjax.numerics import codes, expand_scale, integer_values
@@ -242,20 +244,25 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
     lead = g.op("Slice", [g.op("Shape", [x]), g.const([0], np.int64), g.const([-1], np.int64)])
     out_shape = g.op("Concat", [lead, g.const([N], np.int64)], axis=0)
     x2 = g.op("Reshape", [x, g.const([-1, K], np.int64)], hint=hint + ".x2")
-    if k.act_scale is not None:
-        s = g.const(np.asarray(k.act_scale, np.float32).reshape(-1)[:1].reshape(1, 1))
-    else:
-        ax = g.op("Abs", [x2])
-        amax = (g.op("ReduceMax", [ax, g.const([1], np.int64)], keepdims=1) if k.act_granularity == "token"
-                else g.op("ReduceMax", [ax], keepdims=1))
-        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
-                 hint=hint + ".sx")
-    r = g.op("Round", [g.op("Div", [x2, s])])
+    zp = g.const(W8A8_ZERO_POINT, np.uint8)
     # both operands uint8, zero points 128: the integers of eqjax's int8 x int8 product, and u8 x u8 never
     # saturates in MLAS (u8 x s8 does on x86 without VNNI: vpmaddubsw int16 pair sums)
-    qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
-              to=2, hint=hint + ".qx")  # 2 = UINT8
-    zp = g.const(W8A8_ZERO_POINT, np.uint8)
+    if k.act_scale is not None:  # a static scale: codes may leave +-qmax, so clip as eqjax does
+        s = g.const(np.asarray(k.act_scale, np.float32).reshape(-1)[:1].reshape(1, 1))
+        r = g.op("Round", [g.op("Div", [x2, s])])
+        qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
+                  to=2, hint=hint + ".qx")  # 2 = UINT8
+    else:
+        # a dynamic scale keeps |x / s| <= qmax, so one QuantizeLinear (x / s rounded half to even, + 128,
+        # per row for per-token scales) gives the same codes as Round(Div) + Clip + Cast
+        token = k.act_granularity == "token"
+        amax = g.op("ReduceMax", [g.op("Abs", [x2])] + ([g.const([1], np.int64)] if token else []), keepdims=1)
+        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
+                 hint=hint + ".sx")  # [M, 1] or [1, 1]
+        s1 = g.op("Reshape", [s, g.const([-1] if token else [], np.int64)])
+        zx = g.op("ConstantOfShape", [g.op("Shape", [s1])], value=onnx.helper.make_tensor(
+            "zp", onnx.TensorProto.UINT8, [1], [W8A8_ZERO_POINT])) if token else zp
+        qx = g.op("QuantizeLinear", [x2, s1, zx], axis=0, hint=hint + ".qx")
     wq = w8a8_weight_codes(w, use.contracting, use.free)
     ws = _matrix(np.asarray(expand_scale(w)), use.contracting, use.free).T  # [K, N] per-element scales
     if grouped:
@@ -266,7 +273,9 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
         y = g.op("Mul", [g.op("Cast", [acc], to=1), g.init(hint + ".ws", ws[::G].reshape(ng, 1, N).astype(np.float32))])
         y = g.op("ReduceSum", [y, g.const([0], np.int64)], keepdims=0)
     else:
-        acc = g.op("MatMulInteger", [qx, g.init(hint + ".wq", wq), zp, zp])
-        y = g.op("Mul", [g.op("Cast", [acc], to=1), g.init(hint + ".ws", ws[0].reshape(1, N).astype(np.float32))])
+        # float(acc) * ws in one op (the same two roundings as Cast then Mul)
+        y = g.op("MatMulIntegerToFloat", [qx, g.init(hint + ".wq", wq), g.const(1.0),
+                                          g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32)), zp, zp],
+                 domain=MS_DOMAIN)
     y = g.op("Mul", [y, s])
     return g.op("Reshape", [y, out_shape], hint=hint)

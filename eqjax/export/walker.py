@@ -527,7 +527,16 @@ def _dot_general(w: Walker, node: Any, ins: list) -> str:
     out_dt = w.prog.avals[node.outs[0]].dtype
     simple = (tuple(lb) == tuple(range(nb)) and tuple(rb) == tuple(range(nb)) and len(lc) == 1 and len(rc) == 1
               and lc[0] == len(ls) - 1 and rc[0] in (len(rs) - 2, nb) and len(rs) == nb + 2 and len(ls) >= nb + 1)
-    if simple and (len(ls) == nb + 2 or nb == 0):
+    transposed_2d = (nb == 0 and len(rs) == 2 and tuple(rc) == (1,) and tuple(lc) == (len(ls) - 1,)
+                     and np.dtype(w.aval(node.ins[0]).dtype) in (np.float32, np.float64))
+    if transposed_2d:
+        # x . W^T with W [N, K] (a tied embedding read as the LM head): Gemm(transB=1) reads W as stored,
+        # about twice as fast in onnxruntime as the Einsum (which transposes W on every call)
+        x2 = a if len(ls) == 2 else w.g.op("Reshape", [a, w.g.const([-1, ls[-1]], np.int64)])
+        y = w.g.op("Gemm", [x2, b], transB=1)
+        if len(ls) != 2:
+            y = w.g.op("Reshape", [y, w.g.shape(tuple(ls[:-1]) + (rs[0],))])
+    elif simple and (len(ls) == nb + 2 or nb == 0):
         if rc[0] == len(rs) - 1:
             b = w.g.op("Transpose", [b], perm=list(range(nb)) + [nb + 1, nb])
         y = w.g.op("MatMul", [a, b])

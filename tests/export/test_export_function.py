@@ -42,3 +42,25 @@ def test_user_linen_model_exports_and_matches(tmp_path, recipe):
     for rows in (5, 2):
         got = sess.run(None, {"x": np.asarray(x[:rows])})[0]
         np.testing.assert_allclose(got, np.asarray(want[:rows]), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_transposed_weight_product_lowers_to_gemm(tmp_path, rank):
+    """``x . W^T`` with ``W [N, K]`` as stored (a tied embedding read as the LM head) is one Gemm(transB=1)
+    reading W as it is (no Einsum, no transposed copy), with dynamic leading dimensions."""
+    import onnx
+    from jax import export as jexport
+
+    from eqjax.export.onnx import export_function, make_session
+
+    E = jax.random.normal(jax.random.key(2), (40, 16))
+    lead = jexport.symbolic_shape("b, t")[: rank - 1]
+    path = export_function(lambda p, x: jnp.einsum("...k,nk->...n", x, p["E"]), {"E": E},
+                           (jax.ShapeDtypeStruct((*lead, 16), jnp.float32),), tmp_path / "head", input_names=["x"])
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "Gemm" in ops and "Einsum" not in ops and "Transpose" not in ops, ops
+    sess = make_session(path)
+    for shape in ([(3, 16), (1, 16)] if rank == 2 else [(2, 3, 16), (1, 5, 16)]):
+        x = np.asarray(jax.random.normal(jax.random.key(len(shape) + shape[0]), shape))
+        want = np.einsum("...k,nk->...n", x.astype(np.float64), np.asarray(E, np.float64))
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=0, atol=1e-5)

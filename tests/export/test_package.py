@@ -56,6 +56,12 @@ def test_genai_generator_greedy_tokens_equal_eqjax(tiny, tmp_path, quant):
     d = tmp_path / "pkg"
     man = export_package(model, qp, d, tokenizer=tok, target="cpu", context_length=64)
     assert man["fused"].get("GroupQueryAttention") == 2 and man["check"]["max_rel_diff"] <= man["check"]["tolerance"]
+    # W4: Q/K/V packed into one MatMulNBits feed GQA directly (rotary inside), as genai's builder does
+    import onnx
+
+    ops = [n.op_type for n in onnx.load(str(d / "model.onnx"), load_external_data=False).graph.node]
+    assert man["packed_attention"] == (2 if quant == "w4g32" else 0)
+    assert ops.count("RotaryEmbedding") == (0 if quant == "w4g32" else 4)
     cfg = json.loads((d / "genai_config.json").read_text())
     assert cfg["model"]["eos_token_id"] == EOS and cfg["model"]["decoder"]["num_key_value_heads"] == 2
     prompt = np.array([0, 72, 101, 108, 108, 111, 32, 119], np.int32)

@@ -4,8 +4,9 @@ onnxruntime (MLAS) runs a u8 x s8 ``MatMulInteger`` on x86-64 CPUs without VNNI 
 which adds the products of two adjacent K positions into a saturating int16. The exporter used to feed
 ``q + 128`` (uint8) x int8 weights; activation codes near +127 (uint8 ~255) against weight pairs near
 +-127 then saturate (``2 * 255 * 127 = 64770 > 32767``) and the sums are wrong, on AVX2-only CPUs only.
-It now feeds uint8 x uint8 (``q + 128`` and ``w + 128``, zero points 128), which MLAS widens to 16 bits
-(``vpmaddwd``, 32-bit pair sums): exact everywhere.
+It now feeds uint8 x uint8 (``q + 128`` and ``w + 128``, zero points 128; ``MatMulInteger`` or
+``MatMulIntegerToFloat``, the same MLAS kernels), which MLAS widens to 16 bits (``vpmaddwd``, 32-bit pair
+sums): exact everywhere.
 
 * ``test_exporter_int32_sums_are_exact_at_the_int16_pair_limit``: operands at the pair limit through the
   real exporter and onnxruntime, int32 sums checked against numpy's exact integers. It fails with the old
@@ -79,7 +80,8 @@ def _kernels(w: np.ndarray) -> dict:
 
 
 def _with_int32_sums(m: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    """``m`` with every MatMulInteger output added as a graph output."""
+    """``m`` with every MatMulInteger output added as a graph output (the grouped lowering's int32 sums;
+    the others go through MatMulIntegerToFloat, whose float output is checked instead)."""
     names = [n.output[0] for n in m.graph.node if n.op_type == "MatMulInteger"]
     m.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in names)
     return m, names
@@ -89,20 +91,21 @@ def _with_int32_sums(m: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
 def test_exporter_int32_sums_are_exact_at_the_int16_pair_limit(kind):
     q, w = _extreme_operands()
     exact = q.astype(np.int64) @ w.astype(np.int64)
+    assert np.abs(exact).max() < 2**24  # so a float32 sum equal to it means the integer sum was exact
     # eqjax itself is exact (int32 accumulation)
     np.testing.assert_array_equal(np.asarray(int_matmul(jnp.asarray(q, jnp.int8), jnp.asarray(w, jnp.int8))), exact)
     layer = {"kernel": _kernels(w)[kind]}
     m, names = _with_int32_sums(linear_graph(layer, path=kind))
     x = q.astype(np.float32)  # every row reaches |127|: activation scale 1, codes exactly q
     y, *accs = make_session(m).run(["y", *names], {"x": x})
-    (acc,) = accs
     if kind == "zeroquant-group":  # [groups, M, N]: one exact sum per group of K
+        (acc,) = accs
         ng = K // GROUP
         ref = np.einsum("mgk,gkn->gmn", q.reshape(-1, ng, GROUP).astype(np.int64),
                         w.reshape(ng, GROUP, N).astype(np.int64))
         np.testing.assert_array_equal(acc, ref)
     else:
-        np.testing.assert_array_equal(acc, exact)
+        assert not accs
     # scales are 1 and every sum is an integer below 2**24: the float output is exact too, and equal
     # to eqjax's W8A8 linear bit for bit
     np.testing.assert_array_equal(y, exact.astype(np.float32))
@@ -110,22 +113,30 @@ def test_exporter_int32_sums_are_exact_at_the_int16_pair_limit(kind):
 
 
 def _w8a8_matmuls(m: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in m.graph.node if n.op_type == "MatMulInteger"]
+    return [n for n in m.graph.node if n.op_type in ("MatMulInteger", "MatMulIntegerToFloat")]
 
 
 def _assert_u8_u8(m: onnx.ModelProto) -> None:
-    """Every MatMulInteger takes a uint8 ``A`` (a Cast to uint8, maybe reshaped) and a uint8 initializer
-    ``B``, both with zero point 128: operand types for which MLAS has no saturating kernel."""
+    """Every integer matmul takes a uint8 ``A`` (QuantizeLinear with zero point 128, or a Cast to uint8,
+    maybe reshaped) and a uint8 initializer ``B``, both with zero point 128: operand types for which MLAS
+    has no saturating kernel."""
     inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
     producers = {o: n for n in m.graph.node for o in n.output}
     mms = _w8a8_matmuls(m)
     assert mms
     for n in mms:
-        a, b, azp, bzp = n.input
+        a, b = n.input[:2]
+        azp, bzp = n.input[2:] if n.op_type == "MatMulInteger" else n.input[4:]
         src = producers[a]
         while src.op_type in ("Transpose", "Reshape"):
             src = producers[src.input[0]]
-        assert src.op_type == "Cast" and helper.get_attribute_value(src.attribute[0]) == TensorProto.UINT8
+        if src.op_type == "QuantizeLinear":
+            zsrc = producers.get(src.input[2])
+            z = (numpy_helper.to_array(zsrc.attribute[0].t) if zsrc is not None else inits[src.input[2]])
+            assert zsrc is None or zsrc.op_type == "ConstantOfShape"
+            assert z.dtype == np.uint8 and np.all(z == W8A8_ZERO_POINT)
+        else:
+            assert src.op_type == "Cast" and helper.get_attribute_value(src.attribute[0]) == TensorProto.UINT8
         assert inits[b].dtype == np.uint8 and inits[b].min() >= 1  # w + 128 with w in [-127, 127]
         for zp in (azp, bzp):
             assert inits[zp].dtype == np.uint8 and inits[zp].size == 1

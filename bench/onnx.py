@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity as eqjax_ppl
-    from eqjax.export.onnx import embedding_step
+    from eqjax.recipes import embedding_step
     from eqjax.export.package import export_package
     from eqjax.io.gguf import default_model_path, load_gguf, read_metadata
     from eqjax.io.hf import save_hf_checkpoint

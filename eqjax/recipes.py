@@ -2,7 +2,9 @@
 
 Every matmul weight is quantized, selected by role (``Rule(".*", spec, role="matmul")``), so the
 recipes apply to any model eqjax can trace; embedding tables (and a tied LM head) and everything that
-is not a matmul weight stay in float. Granularities are role-relative: one scale per output channel,
+is not a matmul weight stay in float, unless the name ends in ``+emb-int8`` (the embedding / tied LM
+head int8 per row, symmetric) or ``+emb-int4`` (int4 groups of 32, asymmetric, float16 scales): any
+recipe, e.g. ``w4g128-gptq+emb-int4``. Granularities are role-relative: one scale per output channel,
 or groups along the input. Group-wise recipes store float16 scales (rounded up), the per-channel and
 per-tensor ones float32.
 """
@@ -17,7 +19,10 @@ from eqjax.qarray import per_input_group, per_output_channel, per_tensor
 from eqjax.recipe import Recipe, RecipeError
 from eqjax.rules import Rule
 
-__all__ = ["RECIPES", "get_recipe", "recipe_names", "weight_rule"]
+__all__ = ["EMBEDDINGS", "RECIPES", "embedding_step", "get_recipe", "recipe_names", "weight_rule",
+           "with_embedding"]
+
+EMBEDDINGS = ("int8", "int4")
 
 
 def weight_rule(
@@ -207,12 +212,32 @@ def recipe_names() -> list[str]:
     return list(RECIPES)
 
 
+def embedding_step(kind: str) -> RTN:
+    """An RTN step quantizing the embedding table(s): int8 per row (symmetric) or int4 groups of 32 (asymmetric)."""
+    if kind not in EMBEDDINGS:
+        raise RecipeError(f"unknown embedding option {kind!r}; choose one of {', '.join(EMBEDDINGS)}")
+    spec = (QuantSpec(8, True, per_output_channel()) if kind == "int8"
+            else QuantSpec(4, False, per_input_group(32), scale_dtype="float16"))
+    return RTN((Rule(".*", spec, role="embedding"),), name=f"embedding-{kind}")
+
+
+def with_embedding(recipe: Recipe, kind: str) -> Recipe:
+    """``recipe`` followed by :func:`embedding_step` (named ``<recipe>+emb-<kind>``)."""
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.replace(recipe, name=f"{recipe.name}+emb-{kind}", steps=tuple(recipe.steps) + (embedding_step(kind),))
+
+
 def get_recipe(name: str) -> Recipe:
-    """The built-in recipe ``name``, or a recipe file path (``.toml``/``.json``)."""
+    """The built-in recipe ``name`` (optionally ``+emb-int8`` / ``+emb-int4``), or a recipe file path."""
     if name in RECIPES:
         return RECIPES[name]()
+    base, sep, kind = name.rpartition("+emb-")
+    if sep and base in RECIPES:
+        return with_embedding(RECIPES[base](), kind)
     if name.endswith((".toml", ".json")):
         from eqjax.recipe import load_recipe  # noqa: PLC0415
 
         return load_recipe(name)
-    raise RecipeError(f"unknown recipe {name!r}; built-in: {', '.join(RECIPES)} (or a .toml/.json file)")
+    raise RecipeError(f"unknown recipe {name!r}; built-in: {', '.join(RECIPES)}, each optionally with "
+                      f"+emb-int8 / +emb-int4 (or a .toml/.json file)")

@@ -173,3 +173,35 @@ def test_named_recipes_present():
     for n in ("fp", "w8-absmax", "w8", "w8a8-naive", "w4g128-rtn"):
         assert n in names
     assert get_recipe("fp").steps == ()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_embedding_suffix_quantizes_the_table_for_any_recipe(tiny, kind):
+    """``<recipe>+emb-int8|int4``: the recipe's own steps, then the embedding table (and so a tied head)
+    quantized; every other param exactly as the plain recipe leaves it; fewer bytes."""
+    model, params = tiny
+    plain = quantize(params, get_recipe("w4g128-rtn"), model=model)
+    r = get_recipe(f"w4g128-rtn+emb-{kind}")
+    assert r.name == f"w4g128-rtn+emb-{kind}" and len(r.steps) == len(get_recipe("w4g128-rtn").steps) + 1
+    q = quantize(params, r, model=model)
+    fp, fq, fe = _flat(params), _flat(plain), _flat(q)
+    emb = [p for p in fp if "embed" in p]
+    assert emb
+    for p in fp:
+        if p in emb:
+            assert isinstance(fe[p], QArray) and fe[p].bits == (8 if kind == "int8" else 4)
+            # round to nearest on the table: every element within half a step of the float value, the step
+            # from the float table itself (int8: absmax / 127 per row; int4: (max - min) / 15 per 32 columns)
+            w = np.asarray(fp[p], np.float64)
+            err = np.abs(np.asarray(dequantize(fe[p]), np.float64) - w)
+            if kind == "int8":
+                step = np.abs(w).max(1, keepdims=True) / 127 + 0 * w
+            else:
+                g = w.reshape(w.shape[0], -1, 32)
+                step = np.repeat((g.max(2) - g.min(2)) / 15, 32, axis=1)
+            assert np.all(err <= 0.5 * step * (1 + 2e-3) + 1e-7), (err / step).max()
+        else:
+            assert type(fe[p]) is type(fq[p])
+    assert tree_nbytes(q) < tree_nbytes(plain)
+    with pytest.raises(RecipeError, match="int8, int4"):
+        get_recipe("w4g128-rtn+emb-int3")

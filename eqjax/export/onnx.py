@@ -30,6 +30,7 @@ import onnx
 from eqjax.export.graph import OPSET, ExportError, Graph, value_info
 from eqjax.export.qlower import W8A8_ZERO_POINT, w8a8_weight_codes
 from eqjax.export.runtime import Runner, make_session, perplexity
+from eqjax.recipes import EMBEDDINGS
 
 __all__ = ["ExportError", "OPSET", "W8A8_ZERO_POINT", "w8a8_weight_codes", "make_session", "build_model",
            "export_function", "function_graph", "linear_graph", "onnx_logits", "onnx_perplexity", "add_export_args",
@@ -135,7 +136,7 @@ def onnx_perplexity(session: Any, windows: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------------ CLI
-EMBEDDING_CHOICES = ("recipe", "int8", "int4")
+EMBEDDING_CHOICES = ("recipe", *EMBEDDINGS)
 
 
 def add_export_args(p: Any) -> Any:
@@ -160,31 +161,14 @@ def add_export_args(p: Any) -> Any:
     return p
 
 
-def embedding_step(kind: str) -> Any:
-    """An RTN step quantizing the embedding table(s): int8 per row (symmetric) or int4 groups of 32 (asymmetric)."""
-    from eqjax.methods.rtn import RTN  # noqa: PLC0415
-    from eqjax.numerics import QuantSpec  # noqa: PLC0415
-    from eqjax.qarray import per_input_group, per_output_channel  # noqa: PLC0415
-    from eqjax.rules import Rule  # noqa: PLC0415
-
-    spec = (QuantSpec(8, True, per_output_channel()) if kind == "int8"
-            else QuantSpec(4, False, per_input_group(32), scale_dtype="float16"))
-    return RTN((Rule(".*", spec, role="embedding"),), name=f"embedding-{kind}")
-
-
 def recipe_for_export(name: str, embedding: str = "recipe") -> Any:
     """The recipe ``name``, checked for exportability, with the ``--embedding`` step appended."""
-    import dataclasses  # noqa: PLC0415
-
     from eqjax.export.package import check_recipe  # noqa: PLC0415
-    from eqjax.recipes import get_recipe  # noqa: PLC0415
+    from eqjax.recipes import get_recipe, with_embedding  # noqa: PLC0415
 
     recipe = get_recipe(name)
     check_recipe(recipe)
-    if embedding != "recipe":
-        recipe = dataclasses.replace(recipe, name=f"{recipe.name}+emb-{embedding}",
-                                     steps=tuple(recipe.steps) + (embedding_step(embedding),))
-    return recipe
+    return recipe if embedding == "recipe" else with_embedding(recipe, embedding)
 
 
 def export_main(args: Any) -> int:

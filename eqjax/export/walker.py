@@ -524,18 +524,14 @@ def _dot_general(w: Walker, node: Any, ins: list) -> str:
     ls, rs = w.aval(node.ins[0]).shape, w.aval(node.ins[1]).shape
     a, b = (w.name(v) for v in ins)
     nb = len(lb)
-    out_dt = w.prog.avals[node.outs[0]].dtype
+    in_dt, out_dt = np.dtype(w.aval(node.ins[0]).dtype), w.prog.avals[node.outs[0]].dtype
     simple = (tuple(lb) == tuple(range(nb)) and tuple(rb) == tuple(range(nb)) and len(lc) == 1 and len(rc) == 1
               and lc[0] == len(ls) - 1 and rc[0] in (len(rs) - 2, nb) and len(rs) == nb + 2 and len(ls) >= nb + 1)
-    transposed_2d = (nb == 0 and len(rs) == 2 and tuple(rc) == (1,) and tuple(lc) == (len(ls) - 1,)
-                     and np.dtype(w.aval(node.ins[0]).dtype) in (np.float32, np.float64))
-    if transposed_2d:
-        # x . W^T with W [N, K] (a tied embedding read as the LM head): Gemm(transB=1) reads W as stored,
-        # about twice as fast in onnxruntime as the Einsum (which transposes W on every call)
-        x2 = a if len(ls) == 2 else w.g.op("Reshape", [a, w.g.const([-1, ls[-1]], np.int64)])
-        y = w.g.op("Gemm", [x2, b], transB=1)
-        if len(ls) != 2:
-            y = w.g.op("Reshape", [y, w.g.shape(tuple(ls[:-1]) + (rs[0],))])
+    if nb == 0 and len(rs) == 2 and tuple(rc) == (1,) and tuple(lc) == (len(ls) - 1,) and in_dt == np.float32:
+        # x . W^T, W [N, K] as stored (a tied embedding read as the LM head): Gemm(transB=1), about twice as
+        # fast in onnxruntime as an Einsum (which transposes W on every call)
+        y = w.g.op("Gemm", [w.g.op("Reshape", [a, w.g.const([-1, ls[-1]], np.int64)]), b], transB=1)
+        y = w.g.op("Reshape", [y, w.g.shape(tuple(ls[:-1]) + (rs[0],))])
     elif simple and (len(ls) == nb + 2 or nb == 0):
         if rc[0] == len(rs) - 1:
             b = w.g.op("Transpose", [b], perm=list(range(nb)) + [nb + 1, nb])
@@ -552,16 +548,11 @@ def _dot_general(w: Walker, node: Any, ins: list) -> str:
         out = [la[x] for x in lb] + [la[x] for x in range(len(ls)) if x not in lb and x not in lc] + \
               [lr[x] for x in range(len(rs)) if x not in rb and x not in rc]
         y = w.g.op("Einsum", [a, b], equation=f"{''.join(la)},{''.join(lr)}->{''.join(out)}")
-    in_dt = w.aval(node.ins[0]).dtype
-    return y if np.dtype(in_dt) == np.dtype(out_dt) else w.g.op("Cast", [y], to=onnx_dtype(out_dt))
+    return y if in_dt == np.dtype(out_dt) else w.g.op("Cast", [y], to=onnx_dtype(out_dt))
 
 
 def _pow(w: Walker, node: Any, ins: list) -> str:
     return w.g.op("Pow", [w.name(v) for v in ins])
-
-
-def _erf_inv(w, node, ins):  # pragma: no cover - rare in inference graphs
-    raise ExportError("erf_inv has no ONNX lowering")
 
 
 def _exp2(w: Walker, node: Any, ins: list) -> str:
@@ -594,7 +585,7 @@ _LOWER: dict[str, Callable] = {
     "sqrt": _unary("Sqrt"), "rsqrt": _rsqrt, "abs": _unary("Abs"), "sign": _unary("Sign"), "floor": _unary("Floor"),
     "ceil": _unary("Ceil"), "round": _unary("Round"), "erf": _unary("Erf"), "exp2": _exp2,
     "square": lambda w, node, ins: w.g.op("Mul", [w.name(ins[0])] * 2),
-    "integer_pow": _integer_pow, "is_finite": _is_finite, "erf_inv": _erf_inv, "erfc": _erfc,
+    "integer_pow": _integer_pow, "is_finite": _is_finite, "erfc": _erfc,
     "convert_element_type": _convert, "stop_gradient": _identity, "copy": _identity, "copy_p": _identity,
     "reduce_precision": _identity, "optimization_barrier": _identity, "sharding_constraint": _identity,
     "select_n": _select_n, "clamp": _clamp, "broadcast_in_dim": _broadcast_in_dim, "reshape": _reshape,

@@ -175,10 +175,11 @@ def test_named_recipes_present():
     assert get_recipe("fp").steps == ()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w7a8"])
 def test_embedding_suffix_quantizes_the_table_for_any_recipe(tiny, kind):
-    """``<recipe>+emb-int8|int4``: the recipe's own steps, then the embedding table (and so a tied head)
-    quantized; every other param exactly as the plain recipe leaves it; fewer bytes."""
+    """``<recipe>+emb-int8|int4|w7a8``: the recipe's own steps, then the embedding table (and so a tied
+    head) quantized; every other param exactly as the plain recipe leaves it; fewer bytes. ``w7a8``: 7-bit
+    integers per row, and the tied head's activations int8 per token (an ActQuantKernel)."""
     model, params = tiny
     plain = quantize(params, get_recipe("w4g128-rtn"), model=model)
     r = get_recipe(f"w4g128-rtn+emb-{kind}")
@@ -189,13 +190,13 @@ def test_embedding_suffix_quantizes_the_table_for_any_recipe(tiny, kind):
     assert emb
     for p in fp:
         if p in emb:
-            assert isinstance(fe[p], QArray) and fe[p].bits == (8 if kind == "int8" else 4)
+            assert isinstance(fe[p], QArray) and fe[p].bits == {"int8": 8, "int4": 4, "w7a8": 7}[kind]
             # round to nearest on the table: every element within half a step of the float value, the step
             # from the float table itself (int8: absmax / 127 per row; int4: (max - min) / 15 per 32 columns)
             w = np.asarray(fp[p], np.float64)
             err = np.abs(np.asarray(dequantize(fe[p]), np.float64) - w)
-            if kind == "int8":
-                step = np.abs(w).max(1, keepdims=True) / 127 + 0 * w
+            if kind != "int4":
+                step = np.abs(w).max(1, keepdims=True) / (127 if kind == "int8" else 63) + 0 * w
             else:
                 g = w.reshape(w.shape[0], -1, 32)
                 step = np.repeat((g.max(2) - g.min(2)) / 15, 32, axis=1)
@@ -205,3 +206,36 @@ def test_embedding_suffix_quantizes_the_table_for_any_recipe(tiny, kind):
     assert tree_nbytes(q) < tree_nbytes(plain)
     with pytest.raises(RecipeError, match="int8, int4"):
         get_recipe("w4g128-rtn+emb-int3")
+
+
+def test_embedding_w7a8_quantizes_a_tied_heads_activations():
+    """``+emb-w7a8`` on a tied model: the table is an ActQuantKernel (7-bit rows, int8 per-token
+    activations at the head) and the logits equal a float64 oracle of that head: the final normed hidden
+    state (the float body over the dequantized table), quantized per token (absmax / 127, half to even),
+    times the 7-bit integers, times both scales."""
+    from eqjax.models import LlamaConfig, Model
+    from eqjax.models.llama import rms_norm
+    from eqjax.numerics import integer_values
+
+    cfg = LlamaConfig(vocab=64, hidden=32, intermediate=64, n_layers=1, n_heads=4, n_kv_heads=2, tie_word_embeddings=True)
+    model = Model(cfg)
+    params = model.init_params(jax.random.key(1), std=0.1)
+    q = quantize(params, get_recipe("fp+emb-w7a8"), model=model)
+    leaf = q["embed"]["embedding"]
+    assert isinstance(leaf, ActQuantKernel) and leaf.act_bits == 8 and leaf.weight.bits == 7
+    iv = np.asarray(integer_values(leaf.weight), np.float64)  # [V, D]
+    assert np.abs(iv).max() <= 63
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
+    p2 = dict(params, embed={"embedding": dequantize(leaf.weight)})
+    pos = model.positions(2, 9, 0)
+    h = model.embed(p2, ids, pos)
+    for i, name in enumerate(model.layer_names):
+        h, _ = model.block(p2[name], h, pos, layer_index=i)
+    x = np.asarray(rms_norm(h, p2["final_norm"]["scale"], cfg.rms_norm_eps), np.float64)
+    sx = np.abs(x).max(-1, keepdims=True) / 127
+    ws = np.asarray(leaf.weight.scale, np.float64).reshape(1, 1, -1)
+    oracle = (np.round(x / sx) @ iv.T) * sx * ws
+    got = np.asarray(model.apply(q, ids)[0], np.float64)
+    np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5 * np.abs(oracle).max())
+    # not the weight-only head: the int8 activations move the logits
+    assert np.abs(got - x @ (iv * ws[0, 0][:, None]).T).max() > 1e-4 * np.abs(oracle).max()

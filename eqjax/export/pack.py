@@ -1,10 +1,13 @@
-"""Sibling MatMulNBits packing: projections reading the same input become one wider MatMulNBits + Split.
+"""Sibling packing: projections reading the same input become one wider matmul + Split.
 
 Q, K and V (and gate / up) read the same normalized activation; one ``MatMulNBits`` with their
 weights concatenated along ``N`` (B, scales and zero points are per output row, so concatenation is
 exact) reads the activation once and runs one kernel instead of three, which is most of what a decode
 step costs on a CPU. Siblings pack only when every attribute (K, bits, block size, accuracy level) and
-the presence of zero points agree and their weights are initializers read by nothing else.
+the presence of zero points agree and their weights are initializers read by nothing else. W8A8's
+``MatMulIntegerToFloat`` siblings (the same quantized activation, scale and zero points; weights
+``[K, N]`` with one scale per column) pack the same way, their shared per-token ``Mul`` moved before
+the Split.
 
 :func:`fuse_packed_attention` then hands a packed Q/K/V straight to ``GroupQueryAttention`` (its packed
 input form, with the RoPE tables and ``do_rotary=1``) instead of ``Split`` + two ``RotaryEmbedding`` +
@@ -28,24 +31,53 @@ def _attrs(n: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in n.attribute}
 
 
+def _sibling_key(n: onnx.NodeProto, inits: dict, readers: dict) -> tuple | None:
+    """What packable siblings share (None: ``n`` does not pack): the input, the op's attributes, the
+    presence and dtype of the other operands; weights must be initializers read by ``n`` alone."""
+    if n.domain != "com.microsoft":
+        return None
+    if n.op_type == "MatMulNBits":
+        a = _attrs(n)
+        ws = [i for i in n.input[1:] if i]
+        if len(n.input) > 4 or not all(i in inits and readers[i] == 1 for i in ws):
+            return None
+        return ("nbits", n.input[0], a["K"], a["bits"], a["block_size"], a.get("accuracy_level"), len(ws))
+    if n.op_type == "MatMulIntegerToFloat":
+        ins = list(n.input) + [""] * (6 - len(n.input))
+        b, bs = ins[1], ins[3]
+        if len(n.input) > 6 or not all(i in inits and readers[i] == 1 for i in (b, bs)) \
+                or len(inits[b].dims) != 2 or list(inits[bs].dims) != [inits[b].dims[1]]:
+            return None  # only [K, N] weights with one scale per column concatenate along N
+        return ("mmitf", ins[0], ins[2], ins[4], ins[5], inits[b].data_type, inits[b].dims[0])
+    return None
+
+
+def _hoisted_mul(nodes: list, consumers: dict) -> list | None:
+    """The ``Mul`` nodes, one per sibling, that scale each sibling's output by one shared tensor (W8A8's
+    per-token activation scale), or None: then the packed product is scaled once, before its Split."""
+    muls = []
+    for n in nodes:
+        c = consumers[n.output[0]]
+        if len(c) != 1 or c[0].op_type != "Mul" or c[0].input[0] != n.output[0]:
+            return None
+        muls.append(c[0])
+    return muls if len({m.input[1] for m in muls}) == 1 else None
+
+
 def pack_siblings(m: onnx.ModelProto) -> int:
-    """Pack sibling MatMulNBits nodes of ``m`` in place; returns how many groups were packed."""
+    """Pack sibling MatMulNBits / MatMulIntegerToFloat nodes of ``m`` in place; returns how many groups."""
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     readers: dict[str, int] = defaultdict(int)
     for n in g.node:
         for i in n.input:
             readers[i] += 1
+    consumers = _consumers(g)
     groups: dict[tuple, list[onnx.NodeProto]] = defaultdict(list)
     for n in g.node:
-        if n.op_type != "MatMulNBits" or n.domain != "com.microsoft":
-            continue
-        a = _attrs(n)
-        ws = [i for i in n.input[1:] if i]
-        if len(n.input) > 4 or not all(i in inits and readers[i] == 1 for i in ws):
-            continue
-        key = (n.input[0], a["K"], a["bits"], a["block_size"], a.get("accuracy_level"), len(ws))
-        groups[key].append(n)
+        key = _sibling_key(n, inits, readers)
+        if key is not None:
+            groups[key].append(n)
     packed = 0
     drop_nodes, drop_inits = set(), set()
     new_nodes: dict[int, list[onnx.NodeProto]] = {}
@@ -54,23 +86,38 @@ def pack_siblings(m: onnx.ModelProto) -> int:
         if len(nodes) < 2:
             continue
         a = _attrs(nodes[0])
-        ns = [_attrs(n)["N"] for n in nodes]
-        arrays = [[numpy_helper.to_array(inits[i]) for i in n.input[1:] if i] for n in nodes]
-        cat = [np.concatenate([arr[j] for arr in arrays], axis=0) for j in range(len(arrays[0]))]
         base = nodes[0].name + "_packed"
-        names = [f"{base}.{s}" for s in ("B", "scales", "zp")[:len(cat)]]
-        g.initializer.extend(numpy_helper.from_array(c, nm) for c, nm in zip(cat, names))
         y = base + ".y"
-        mm = helper.make_node("MatMulNBits", [nodes[0].input[0]] + names, [y], name=base, domain="com.microsoft",
-                              **{**a, "N": int(sum(ns))})
-        split = helper.make_node("Split", [y, base + ".sizes"], [n.output[0] for n in nodes], name=base + "_split",
-                                 axis=-1)
+        outs = [n.output[0] for n in nodes]
+        if key[0] == "nbits":
+            ns = [_attrs(n)["N"] for n in nodes]
+            arrays = [[numpy_helper.to_array(inits[i]) for i in n.input[1:] if i] for n in nodes]
+            cat = [np.concatenate([arr[j] for arr in arrays], axis=0) for j in range(len(arrays[0]))]
+            names = [f"{base}.{s}" for s in ("B", "scales", "zp")[:len(cat)]]
+            mm = helper.make_node("MatMulNBits", [nodes[0].input[0]] + names, [y], name=base, domain="com.microsoft",
+                                  **{**a, "N": int(sum(ns))})
+            made = [mm]
+        else:  # MatMulIntegerToFloat: B [K, N] along axis 1, b_scale [N]
+            ns = [inits[n.input[1]].dims[1] for n in nodes]
+            cat = [np.concatenate([numpy_helper.to_array(inits[n.input[j]]) for n in nodes], axis=ax)
+                   for j, ax in ((1, 1), (3, 0))]
+            names = [f"{base}.B", f"{base}.b_scale"]
+            ins = list(nodes[0].input)
+            ins[1], ins[3] = names
+            made = [helper.make_node("MatMulIntegerToFloat", ins, [y], name=base, domain="com.microsoft")]
+            muls = _hoisted_mul(nodes, consumers)
+            if muls is not None:
+                made.append(helper.make_node("Mul", [y, muls[0].input[1]], [base + ".ys"], name=base + "_scale"))
+                y = base + ".ys"
+                outs = [mu.output[0] for mu in muls]
+                drop_nodes.update(id(mu) for mu in muls)
+        g.initializer.extend(numpy_helper.from_array(c, nm) for c, nm in zip(cat, names))
+        made.append(helper.make_node("Split", [y, base + ".sizes"], outs, name=base + "_split", axis=-1))
         g.initializer.append(numpy_helper.from_array(np.asarray(ns, np.int64), base + ".sizes"))
-        first = min(order[id(n)] for n in nodes)
-        new_nodes[first] = [mm, split]
+        new_nodes[min(order[id(n)] for n in nodes)] = made
         for n in nodes:
             drop_nodes.add(id(n))
-            drop_inits.update(i for i in n.input[1:] if i)
+            drop_inits.update(n.input[1:] if key[0] == "nbits" else (n.input[1], n.input[3]))
         packed += 1
     if not packed:
         return 0
@@ -82,7 +129,7 @@ def pack_siblings(m: onnx.ModelProto) -> int:
             out.append(n)
     del g.node[:]
     g.node.extend(out)
-    keep = [t for t in g.initializer if t.name not in drop_inits]
+    keep = [t for t in g.initializer if t.name not in drop_inits or not t.name]
     del g.initializer[:]
     g.initializer.extend(keep)
     return packed

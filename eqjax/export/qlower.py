@@ -18,10 +18,12 @@ weight-only, 5..7 bits                 ``DequantizeLinear`` (canonical ``[K, N]`
                                        -> ``MatMul``
 ActQuantKernel (W8A8)                  per-token int8 activations as :func:`eqjax.linear.quantize_activations`
                                        (scale ``ReduceMax(Abs) / 127``, codes by ``QuantizeLinear`` per
-                                       row), then ``com.microsoft.MatMulIntegerToFloat`` with *both*
-                                       operands uint8 (``q + 128``, ``w + 128``, zero points 128) and the
-                                       weight scales: exact on every x86 CPU (u8 x s8 saturates int16 pair
-                                       sums without VNNI; u8 x u8 widens to 16 bits)
+                                       row, once per input: siblings share them), then
+                                       ``com.microsoft.MatMulIntegerToFloat`` with uint8 activations
+                                       (``q + 128``, zero point 128) and the weight scales; weights int8
+                                       when their integers lie within +-64 (u8 x s8, the fast kernel: its
+                                       int16 pair sums cannot saturate on CPUs without VNNI), else uint8
+                                       ``w + 128`` (u8 x u8 widens to 16 bits): exact on every x86 CPU
 embedding gather, 2 / 4 / 8 bits       ``com.microsoft.GatherBlockQuantized`` (gather_axis 0,
                                        quantize_axis 1) on the *same* initializer as the tied LM head's
                                        MatMulNBits (reshaped), so a tied table is stored once
@@ -42,8 +44,8 @@ from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 from eqjax.numerics import codes, expand_scale, integer_values
 from eqjax.qarray import ActQuantKernel, QArray
 
-__all__ = ["Blocked", "blocked", "check_exportable", "emit_matmul", "emit_gather", "W8A8_ZERO_POINT",
-           "w8a8_weight_codes", "NBITS"]
+__all__ = ["Blocked", "blocked", "check_exportable", "emit_matmul", "emit_gather", "W8A8_ZERO_POINT", "S8_WEIGHT_LIMIT",
+           "w8a8_weight_codes", "w8a8_table", "emit_table_gather", "NBITS"]
 
 NBITS = (2, 4, 8)
 W8A8_ZERO_POINT = 128
@@ -220,12 +222,51 @@ def _emit_dq(g: Graph, x: str, b: Blocked, hint: str) -> str:
     return g.op("MatMul", [x, g.memo(("dq", hint), make)], hint=hint)
 
 
+S8_WEIGHT_LIMIT = 64
+"""Weight integers within ``+-64`` take the signed (u8 x s8) W8A8 lowering: ``2 * 255 * 64 = 32640`` fits
+the int16 pair sums of x86 CPUs without VNNI (``vpmaddubsw``), so onnxruntime's fast u8 x s8 GEMM is exact
+on every CPU; wider weights fall back to u8 x u8 (exact everywhere, about half the speed)."""
+
+
 def w8a8_weight_codes(w: QArray, contracting: tuple[int, ...] = (0,), free: tuple[int, ...] = (1,)) -> np.ndarray:
-    """uint8 ``[K, N]`` weight operand of the W8A8 ``MatMulInteger``: ``integer_values(w) + 128``."""
+    """``[K, N]`` weight operand of the W8A8 ``MatMulInteger``: int8 ``integer_values(w)`` where they all lie
+    within ``+-S8_WEIGHT_LIMIT``, else uint8 ``integer_values(w) + 128`` (zero point 128)."""
     iv = _matrix(np.asarray(integer_values(w)).astype(np.int32), contracting, free).T
     if iv.size and (iv.min() < -127 or iv.max() > 127):
         raise ExportError(f"W8A8 weight integers {iv.min()}..{iv.max()} do not fit int8 [-127, 127]")
+    if not iv.size or np.abs(iv).max() <= S8_WEIGHT_LIMIT:
+        return iv.astype(np.int8)
     return (iv + W8A8_ZERO_POINT).astype(np.uint8)
+
+
+def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str) -> tuple[str, str]:
+    """uint8 activation codes ``q + 128`` of ``x [..., K]`` (its own shape) and their scale: ``[..., 1]``
+    per token, a scalar per tensor. Emitted once per input and activation setting (Q / K / V, gate / up
+    share them)."""
+    qmax = float(2 ** (k.act_bits - 1) - 1)
+    static = None if k.act_scale is None else np.asarray(k.act_scale, np.float32).reshape(-1)[:1]
+
+    def make() -> tuple[str, str]:
+        if static is not None:  # a static scale: codes may leave +-qmax, so clip as eqjax does
+            s = g.const(static.reshape(()))
+            r = g.op("Round", [g.op("Div", [x, s])])
+            qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
+                      to=2, hint=hint + ".qx")  # 2 = UINT8
+            return qx, s
+        # a dynamic scale keeps |x / s| <= qmax, so one QuantizeLinear (x / s rounded half to even, + 128;
+        # per token: blocked along the last axis, one block of K) gives the codes of Round(Div) + Clip + Cast
+        token = k.act_granularity == "token"
+        amax = g.op("ReduceMax", [g.op("Abs", [x])] + ([g.const([-1], np.int64)] if token else []), keepdims=int(token))
+        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
+                 hint=hint + ".sx")  # [..., 1] or []
+        if not token:
+            return g.op("QuantizeLinear", [x, s, g.const(W8A8_ZERO_POINT, np.uint8)], hint=hint + ".qx"), s
+        zx = g.op("ConstantOfShape", [g.op("Shape", [s])], value=onnx.helper.make_tensor(
+            "zp", onnx.TensorProto.UINT8, [1], [W8A8_ZERO_POINT]))
+        return g.op("QuantizeLinear", [x, s, zx], axis=-1, block_size=K, hint=hint + ".qx"), s
+
+    key = ("act-q", x, K, k.act_bits, k.act_granularity, None if static is None else static.tobytes())
+    return g.memo(key, make)
 
 
 def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
@@ -240,42 +281,66 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
                           "(a short last group) and run along a single input axis")
     if gran.kind == "group" and not grouped or gran.kind == "channel" and any(a not in use.free for a in gran.axes):
         raise ExportError(f"{use.path}: W8A8 needs per-output-channel, per-tensor or input-group weight scales, got {gran}")
-    qmax = float(2 ** (k.act_bits - 1) - 1)
-    lead = g.op("Slice", [g.op("Shape", [x]), g.const([0], np.int64), g.const([-1], np.int64)])
-    out_shape = g.op("Concat", [lead, g.const([N], np.int64)], axis=0)
-    x2 = g.op("Reshape", [x, g.const([-1, K], np.int64)], hint=hint + ".x2")
     zp = g.const(W8A8_ZERO_POINT, np.uint8)
-    # both operands uint8, zero points 128: the integers of eqjax's int8 x int8 product, and u8 x u8 never
-    # saturates in MLAS (u8 x s8 does on x86 without VNNI: vpmaddubsw int16 pair sums)
-    if k.act_scale is not None:  # a static scale: codes may leave +-qmax, so clip as eqjax does
-        s = g.const(np.asarray(k.act_scale, np.float32).reshape(-1)[:1].reshape(1, 1))
-        r = g.op("Round", [g.op("Div", [x2, s])])
-        qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
-                  to=2, hint=hint + ".qx")  # 2 = UINT8
-    else:
-        # a dynamic scale keeps |x / s| <= qmax, so one QuantizeLinear (x / s rounded half to even, + 128,
-        # per row for per-token scales) gives the same codes as Round(Div) + Clip + Cast
-        token = k.act_granularity == "token"
-        amax = g.op("ReduceMax", [g.op("Abs", [x2])] + ([g.const([1], np.int64)] if token else []), keepdims=1)
-        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
-                 hint=hint + ".sx")  # [M, 1] or [1, 1]
-        s1 = g.op("Reshape", [s, g.const([-1] if token else [], np.int64)])
-        zx = g.op("ConstantOfShape", [g.op("Shape", [s1])], value=onnx.helper.make_tensor(
-            "zp", onnx.TensorProto.UINT8, [1], [W8A8_ZERO_POINT])) if token else zp
-        qx = g.op("QuantizeLinear", [x2, s1, zx], axis=0, hint=hint + ".qx")
     wq = w8a8_weight_codes(w, use.contracting, use.free)
+    # activations uint8 (zero point 128); weights int8 (zero point 0) when within +-64, else uint8 (zero point
+    # 128): both exact on every x86 CPU (see S8_WEIGHT_LIMIT)
+    wzp = zp if wq.dtype == np.uint8 else g.const(0, np.int8)
     ws = _matrix(np.asarray(expand_scale(w)), use.contracting, use.free).T  # [K, N] per-element scales
     if grouped:
         G = gran.group_size
         ng = K // G
+        qx, s = _quantize_rows(g, g.op("Reshape", [x, g.const([-1, K], np.int64)]), k, K, hint)
         q3 = g.op("Transpose", [g.op("Reshape", [qx, g.const([-1, ng, G], np.int64)])], perm=[1, 0, 2])
-        acc = g.op("MatMulInteger", [q3, g.init(hint + ".wq", wq.reshape(ng, G, N)), zp, zp])  # [ng, M, N]
+        acc = g.op("MatMulInteger", [q3, g.init(hint + ".wq", wq.reshape(ng, G, N)), zp, wzp])  # [ng, M, N]
         y = g.op("Mul", [g.op("Cast", [acc], to=1), g.init(hint + ".ws", ws[::G].reshape(ng, 1, N).astype(np.float32))])
         y = g.op("ReduceSum", [y, g.const([0], np.int64)], keepdims=0)
+        y = g.op("Mul", [y, s])
+        lead = g.op("Slice", [g.op("Shape", [x]), g.const([0], np.int64), g.const([-1], np.int64)])
+        return g.op("Reshape", [y, g.op("Concat", [lead, g.const([N], np.int64)], axis=0)], hint=hint)
+    # codes and scales in x's own shape, so the product is [..., N] straight from one MatMulIntegerToFloat
+    # (float(acc) * ws: the same two roundings as Cast then Mul) and a Mul: siblings then pack into one
+    # wider product (eqjax.export.pack)
+    qx_nd, s_nd = _quantize_rows(g, x, k, K, hint)
+    if _is_table(w, use.contracting, use.free):  # a tied LM head: the table stored once, as the gather reads it
+        codes, scales = w8a8_table(g, w, hint)
+        wq_name = g.op("Transpose", [codes], perm=[1, 0])  # an initializer's transpose: folded at load
+        ws_name = scales
     else:
-        # float(acc) * ws in one op (the same two roundings as Cast then Mul)
-        y = g.op("MatMulIntegerToFloat", [qx, g.init(hint + ".wq", wq), g.const(1.0),
-                                          g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32)), zp, zp],
-                 domain=MS_DOMAIN)
-    y = g.op("Mul", [y, s])
-    return g.op("Reshape", [y, out_shape], hint=hint)
+        wq_name, ws_name = g.init(hint + ".wq", wq), g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32))
+    y = g.op("MatMulIntegerToFloat", [qx_nd, wq_name, g.const(1.0), ws_name, zp, wzp], domain=MS_DOMAIN)
+    return g.op("Mul", [y, s_nd], hint=hint)
+
+
+def _is_table(w: QArray, contracting: tuple[int, ...], free: tuple[int, ...]) -> bool:
+    """A 2-D ``[N, K]`` weight (rows = outputs) with one scale per row: an embedding table's layout."""
+    return (len(w.shape) == 2 and contracting == (1,) and free == (0,) and w.granularity.kind == "channel"
+            and tuple(w.granularity.axes) == (0,))
+
+
+def w8a8_table(g: Graph, w: QArray, hint: str) -> tuple[str, str]:
+    """A W8A8 table ``[V, D]`` (per-row scales) as initializers, once: its integer codes (int8 within
+    ``+-S8_WEIGHT_LIMIT``, else uint8 ``+ 128``) and its float32 scales ``[V]``."""
+    def make() -> tuple[str, str]:
+        codes = w8a8_weight_codes(w, (1,), (0,)).T  # [V, D]
+        return (g.init(hint + ".wq", np.ascontiguousarray(codes)),
+                g.init(hint + ".ws", np.asarray(w.scale, np.float32).reshape(-1)))
+    return g.memo(("w8a8-table", hint), make)
+
+
+def emit_table_gather(g: Graph, ids: str, k: ActQuantKernel, *, hint: str) -> str:
+    """Rows ``table[ids]`` ``[..., D]`` of a W8A8 table (a tied head's embedding): integers times the row
+    scales, from the same initializers as the head's ``MatMulIntegerToFloat``."""
+    if not _is_table(k.weight, (1,), (0,)):
+        raise ExportError(f"{hint}: a W8A8 embedding table needs one scale per row, got {k.weight.granularity}")
+    codes, scales = w8a8_table(g, k.weight, hint)
+    rows = g.op("Cast", [g.op("Gather", [codes, ids], axis=0)], to=1)
+    if _table_is_u8(k.weight):
+        rows = g.op("Sub", [rows, g.const(float(W8A8_ZERO_POINT))])
+    s = g.op("Unsqueeze", [g.op("Gather", [scales, ids], axis=0), g.const([-1], np.int64)])
+    return g.op("Mul", [rows, s], hint=hint)
+
+
+def _table_is_u8(w: QArray) -> bool:
+    iv = np.asarray(integer_values(w))
+    return bool(iv.size) and int(np.abs(iv).max()) > S8_WEIGHT_LIMIT

@@ -30,7 +30,7 @@ from eqjax.core.analysis import Analysis
 from eqjax.core.views import bind, view_nodes
 from eqjax.core.program import Lit, Program, Ref
 from eqjax.export.graph import ExportError, Graph, onnx_dtype
-from eqjax.export.qlower import check_exportable, emit_gather, emit_matmul
+from eqjax.export.qlower import check_exportable, emit_gather, emit_matmul, emit_table_gather
 from eqjax.numerics import dequantize
 from eqjax.qarray import ActQuantKernel, is_quantized
 
@@ -268,6 +268,8 @@ class Walker:
         uses = self.an.uses_of(emb.path)
         key = (emb.path, uses[0].contracting, uses[0].free, uses[0].index) if uses else (emb.path, (1,), (0,), ())
         self.counts["quantized_gather"] = self.counts.get("quantized_gather", 0) + 1
+        if isinstance(leaf, ActQuantKernel):  # a W8A8 tied head: rows from the head's own initializers
+            return emit_table_gather(self.g, ids, leaf, hint=emb.path.replace("/", "."))
         return emit_gather(self.g, ids, q, (1,), (0,), hint=emb.path.replace("/", "."), key=key)
 
 

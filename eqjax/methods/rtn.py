@@ -91,7 +91,9 @@ def quantize_by_rules(params: Mapping[str, Any], rules: tuple[Rule, ...], ctx: A
         role = check_quantizable(an, path, rule.pattern)
         spec = concrete_spec(rule.weight, an, path, tuple(leaf.shape))
         q = quantize(leaf, spec, name=path)
-        if rule.act_bits is not None:
+        if rule.act_bits is not None and an is not None and rule.role == "embedding" and not an.uses_of(path):
+            pass  # an embedding table no matmul reads (an untied model): nothing to quantize the input of
+        elif rule.act_bits is not None:
             if an is not None and (role is None or not an.uses_of(path)):
                 raise InputError(f"{path}: activation quantization needs a matmul weight")
             if an is None and leaf.ndim != 2:

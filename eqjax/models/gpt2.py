@@ -22,9 +22,8 @@ from eqjax.linear import linear
 from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import GPT2Config
-from eqjax.models.llama import KVQuantizer, as_float, attend
-from eqjax.numerics import dequantize
-from eqjax.qarray import QArray
+from eqjax.models.llama import KVQuantizer, as_float, attend, tied_head
+from eqjax.qarray import ActQuantKernel, QArray
 
 __all__ = ["param_shapes", "layer_norm", "embed", "block", "head"]
 
@@ -70,7 +69,7 @@ def embed(
     """``wte[tokens] + wpe[positions]``: ``[B, T, D]`` in ``dtype``."""
 
     def table(t: Any) -> jax.Array:
-        return dequantize(t, dtype) if isinstance(t, QArray) else t
+        return as_float(t, dtype) if isinstance(t, (QArray, ActQuantKernel)) else t
 
     wte, wpe = table(params["wte"]["embedding"]), table(params["wpe"]["embedding"])
     pos = jnp.broadcast_to(positions, tokens.shape)
@@ -120,5 +119,4 @@ def block(
 def head(config: GPT2Config, params: Params, h: jax.Array) -> jax.Array:
     """Final LayerNorm and the tied head ``x @ wte^T``: float32 logits ``[B, T, V]``."""
     x = layer_norm(h, params["ln_f"], config.layer_norm_eps)
-    table = as_float(params["wte"]["embedding"], x.dtype)
-    return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+    return tied_head(x, params["wte"]["embedding"])

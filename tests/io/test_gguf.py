@@ -14,7 +14,7 @@ from eqjax.io import gguf as eg
 from eqjax.io.gguf import GGUFError, load_gguf, unpermute_qk
 from eqjax.tokenizer import bytes_to_unicode
 
-D, F, HQ, HKV, HD, L = 8, 32, 2, 1, 4, 2
+D, F, HQ, HKV, HD, L = DIMS = (8, 32, 2, 1, 4, 2)
 
 
 def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
@@ -30,8 +30,10 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_weights(seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
-    """Random float32 weights in HF/torch layout ([out, in]) keyed by GGUF tensor name."""
+def hf_weights(seed: int = 0, tied: bool = True, dims: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+    """Random float32 weights in HF/torch layout ([out, in]) keyed by GGUF tensor name; ``dims`` =
+    (D, F, HQ, HKV, HD, L), default the module's."""
+    D, F, HQ, HKV, HD, L = dims or DIMS
     rng = np.random.default_rng(seed)
     V = len(tiny_vocab()[0])
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -59,9 +61,11 @@ def write_tiny(
     arch: str = "llama",
     weights: dict[str, np.ndarray] | None = None,
     quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+    dims: tuple[int, ...] | None = None,
 ) -> Path:
     """A tiny GGUF of ``arch`` with ``weights`` (HF layout; Q/K get llama.cpp's permutation)."""
-    weights = hf_weights() if weights is None else weights
+    D, F, HQ, HKV, HD, L = dims or DIMS
+    weights = hf_weights(dims=dims) if weights is None else weights
     tokens, merges, types = tiny_vocab()
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(L)

@@ -1,0 +1,267 @@
+"""Write eqjax's quantized Llama params as a llama.cpp GGUF file: Q4_0 / Q4_1 / Q8_0 blocks of 32.
+
+``export_gguf(params, out, source=...)`` keeps every number eqjax quantized; no weight is quantized again:
+
+=============================================  ==============================================================
+eqjax leaf (a matmul kernel or the table)      GGUF tensor
+=============================================  ==============================================================
+4-bit symmetric, all 16 codes (-8..7)          ``Q4_0``: ``d = scale`` (float16), nibbles ``q + 8``: exact
+4-bit asymmetric (a zero point per group)      ``Q4_1``: ``d = scale``, ``m = -scale * zp`` rounded to float16
+                                               (the one rounding: at most half a float16 ulp of ``m``)
+8-bit symmetric (-127..127)                    ``Q8_0``: ``d = scale``, int8 codes: exact
+float (norm scales, unquantized weights)       ``F32``: exact
+=============================================  ==============================================================
+
+The scale (and zero point) must be constant over every block of 32 inputs: per output channel, or
+groups along the input whose size is a multiple of 32 (g32 / g64 / g128 with a short last group are
+fine: a group's scale is repeated over its blocks), and representable in float16 (eqjax's group-wise
+recipes store float16 scales; a per-channel float32 scale is rounded, and the read-back check reports
+what that changed). Anything else (3-bit, 2-bit, W8A8's activation quantization, rotations, KV
+quantization, groups of 16) is refused before the file is written, naming the param.
+
+Metadata (architecture, hyper-parameters, tokenizer, chat template) is copied from the source GGUF the
+params were loaded from; ``general.file_type`` is set from the tensors written. Q and K rows are
+permuted back to llama.cpp's interleaved-RoPE order (the inverse of :func:`eqjax.io.gguf.unpermute_qk`).
+The file is written to a temporary sibling and renamed, then read back with :func:`eqjax.io.gguf.load_gguf`
+and compared with eqjax's own dequantized weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eqjax.io.gguf import _LAYER_TENSORS, GGUFError, _open, load_gguf
+from eqjax.pytree import flatten
+from eqjax.qarray import ActQuantKernel, QArray, is_quantized
+
+__all__ = ["export_gguf", "gguf_blocks", "permute_qk", "BLOCK"]
+
+BLOCK = 32
+_FILE_TYPE = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_*
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's Q/K row order from HF's: the inverse of :func:`eqjax.io.gguf.unpermute_qk` (rows ``[out, ...]``)."""
+    d = w.shape[0]
+    return w.reshape(n_head, 2, d // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """``[rows, nb, 32]`` codes 0..15 -> ``[rows, nb, 16]`` bytes: element j low nibble, j + 16 high."""
+    q = q.astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def gguf_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, bits: int,
+                path: str) -> tuple[str, np.ndarray]:
+    """GGUF blocks of a quantized matrix in torch layout: unsigned ``codes [rows, K]`` and per-block
+    ``scales`` / ``zero_points [rows, K / 32]`` (``x = (code - zp) * scale``). Returns the type name and
+    the raw bytes ``[rows, K / 32 * block_bytes]`` (uint8)."""
+    rows, K = codes.shape
+    nb = K // BLOCK
+    q = codes.reshape(rows, nb, BLOCK)
+    d = scales.astype(np.float16)
+    if not np.all(np.isfinite(d)):
+        raise GGUFError(f"{path}: a scale does not fit float16 (|scale| up to {float(np.abs(scales).max()):.3g})")
+    head = d.reshape(rows, nb, 1).view(np.uint8)  # [rows, nb, 2]
+    if bits == 8:
+        if np.any(zero_points != 128):
+            raise GGUFError(f"{path}: 8-bit weights with a zero point (asymmetric) have no GGUF block type (Q8_0 is symmetric)")
+        body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        kind = "Q8_0"
+    elif bits == 4 and np.all(zero_points == 8):
+        body, kind = _nibbles(q), "Q4_0"
+    elif bits == 4:
+        m = (-scales.astype(np.float32) * zero_points.astype(np.float32)).astype(np.float16)
+        head = np.concatenate([head, m.reshape(rows, nb, 1).view(np.uint8)], axis=-1)
+        body, kind = _nibbles(q), "Q4_1"
+    else:
+        raise GGUFError(f"{path}: {bits}-bit weights have no GGUF block type here (4-bit: Q4_0 / Q4_1, 8-bit: Q8_0)")
+    return kind, np.concatenate([head, body], axis=-1).reshape(rows, -1)
+
+
+def _torch_blocks(leaf: Any, linear: bool, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Unsigned codes ``[rows, K]`` and per-32 scales / zero points of a quantized leaf, in torch layout."""
+    from eqjax.export.graph import ExportError  # noqa: PLC0415
+    from eqjax.export.qlower import blocked  # noqa: PLC0415
+
+    if isinstance(leaf, ActQuantKernel) or not isinstance(leaf, QArray):
+        raise GGUFError(f"{path}: {type(leaf).__name__} (activation quantization / rotation) cannot be written to GGUF; "
+                        "use a weight-only recipe")
+    if leaf.bits not in (4, 8):
+        raise GGUFError(f"{path}: {leaf.bits}-bit weights have no GGUF block type here (4 or 8 bits)")
+    # eqjax kernels are [in, out]: outputs are GGUF rows; a table [V, D] already is
+    contracting, free = ((0,), (1,)) if linear else ((1,), (0,))
+    try:
+        b = blocked(leaf, contracting, free, path=path)
+    except ExportError as e:
+        raise GGUFError(str(e)) from None
+    if b.K % BLOCK or (b.block % BLOCK and BLOCK % b.block):
+        raise GGUFError(f"{path}: {b.K} inputs in scale blocks of {b.block} cannot be laid out as GGUF blocks of {BLOCK}")
+    if b.block >= BLOCK:
+        rep = b.block // BLOCK
+        scales, zps = np.repeat(b.scales, rep, axis=1), np.repeat(b.zero_points, rep, axis=1)
+    else:  # blocks of 16: two must agree to make one of 32
+        s2, z2 = b.scales.reshape(b.N, -1, 2), b.zero_points.reshape(b.N, -1, 2)
+        if not (np.all(s2[..., 0] == s2[..., 1]) and np.all(z2[..., 0] == z2[..., 1])):
+            raise GGUFError(f"{path}: its scales change every 16 inputs; GGUF blocks hold 32")
+        scales, zps = s2[..., 0], z2[..., 0]
+    return b.codes[:, :b.K], scales[:, : b.K // BLOCK], zps[:, : b.K // BLOCK], b.bits
+
+
+def _plan(cfg: Any, params: dict) -> dict[str, tuple[tuple[str, ...], bool, int | None]]:
+    """GGUF tensor name -> (params path, is a linear kernel, heads to permute)."""
+    plan: dict[str, tuple[tuple[str, ...], bool, int | None]] = {
+        "token_embd.weight": (("embed", "embedding"), False, None),
+        "output_norm.weight": (("final_norm", "scale"), False, None),
+    }
+    if "lm_head" in params:
+        plan["output.weight"] = (("lm_head", "kernel"), True, None)
+    for i in range(cfg.n_layers):
+        for short, (sub, _, linear) in _LAYER_TENSORS.items():
+            heads = cfg.n_heads if short == "attn_q" else cfg.n_kv_heads if short == "attn_k" else None
+            plan[f"blk.{i}.{short}.weight"] = ((f"layers_{i}", *sub), linear, heads)
+    return plan
+
+
+def _get(tree: dict, path: tuple[str, ...], src: str) -> Any:
+    for k in path:
+        if not isinstance(tree, dict) or k not in tree:
+            raise GGUFError(f"{src}: params have no {'/'.join(path)} (a Llama params tree from eqjax.io.gguf.load_gguf)")
+        tree = tree[k]
+    return tree
+
+
+def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
+                overwrite: bool = False) -> dict[str, Any]:
+    """Write ``params`` (eqjax's Llama tree, quantized or not) as a GGUF file with ``source``'s metadata.
+
+    Every tensor is converted (and every unsupported leaf refused) before anything is written. Returns a
+    summary: tensor types and counts, bytes, and the read-back check (``max_abs_diff`` of the file's
+    dequantized weights against eqjax's, per tensor type).
+    """
+    import gguf  # noqa: PLC0415
+
+    from eqjax.atomic import atomic_path, check_output_file  # noqa: PLC0415
+    from eqjax.io.gguf import config_from_metadata, read_metadata  # noqa: PLC0415
+    from eqjax.numerics import dequantize_leaf  # noqa: PLC0415
+
+    src = os.fspath(source)
+    out = check_output_file(out, overwrite=overwrite, what="GGUF file")
+    meta = read_metadata(src)
+    cfg = config_from_metadata(meta, source=src)
+    plan = _plan(cfg, params)
+    extra = sorted(set(p for p, _ in flatten(params)) - {"/".join(w) for w, _, _ in plan.values()})
+    if extra:
+        raise GGUFError(f"{src}: params hold {extra[:3]} that a llama GGUF file has no tensor for")
+    tensors: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}  # name -> (type, data, eqjax's float [rows, K])
+    for name, (where, linear, heads) in plan.items():
+        leaf = _get(params, where, src)
+        path = "/".join(where)
+        ref = np.asarray(dequantize_leaf(leaf) if is_quantized(leaf) else leaf, np.float32)
+        ref = ref.T if linear else ref
+        if is_quantized(leaf):
+            codes, scales, zps, bits = _torch_blocks(leaf, linear, path)
+            if heads is not None:
+                codes, scales, zps = (permute_qk(a, heads) for a in (codes, scales, zps))
+            kind, data = gguf_blocks(codes, scales, zps, bits, path)
+        else:
+            kind, data = "F32", np.ascontiguousarray(ref if heads is None else permute_qk(ref, heads))
+        tensors[name] = (kind, data, ref)
+    kinds = {k for k, _, _ in tensors.values() if k != "F32"}
+    reader = _open(src)
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(tmp, meta.get("general.architecture", "llama"))
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+                continue
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        main = max(kinds, key=lambda k: sum(d.nbytes for t, d, _ in tensors.values() if t == k)) if kinds else "F32"
+        w.add_uint32("general.file_type", _FILE_TYPE[main])
+        for name, (kind, data, _) in tensors.items():
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            w.add_tensor(name, data, raw_dtype=None if kind == "F32" else qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return {"path": str(out), "bytes": Path(out).stat().st_size, "file_type": main,
+            "tensor_types": {k: sum(t == k for t, _, _ in tensors.values()) for k in sorted({t for t, _, _ in tensors.values()})},
+            "check": _check(out, params, tensors, plan)}
+
+
+def _check(out: Path, params: dict, tensors: dict, plan: dict) -> dict[str, float]:
+    """The written file read back by :func:`load_gguf`: max |file - eqjax| per tensor type (eqjax's layout)."""
+    _, back, _ = load_gguf(out)
+    worst: dict[str, float] = {}
+    for name, (kind, _, ref) in tensors.items():
+        where, linear, _ = plan[name]
+        got = np.asarray(_get(back, where, str(out)), np.float32)
+        got = got.T if linear else got
+        worst[kind] = max(worst.get(kind, 0.0), float(np.abs(got - ref).max()))
+    return worst
+
+
+# ------------------------------------------------------------------------------------ CLI
+def check_gguf_recipe(recipe: Any) -> None:
+    """Refuse, before any work, recipes whose params GGUF blocks cannot hold (named by the recipe)."""
+    if getattr(recipe, "kv", None) is not None:
+        raise GGUFError(f"recipe {recipe.name!r} quantizes the KV cache; a GGUF file holds weights only")
+    for step in getattr(recipe, "steps", ()):
+        kind = type(step).__name__
+        if kind in ("Rotation", "ZeroQuantLKD", "SmoothQuant"):
+            raise GGUFError(f"recipe {recipe.name!r}: {kind} makes weights llama.cpp's GGUF blocks cannot hold "
+                            "(rotations / activation quantization); use a weight-only recipe")
+        rules = [r for r in getattr(step, "rules", ()) if getattr(r, "weight", None) is not None]
+        specs = [(r.weight.bits, getattr(r.weight.granularity, "group_size", None), r.act_bits) for r in rules]
+        if hasattr(step, "bits"):  # GPTQ, AWQ, SignRound, searched RTN: bits and group_size on the step
+            specs.append((step.bits, getattr(step, "group_size", None), None))
+        for bits, size, act in specs:
+            if act is not None:
+                raise GGUFError(f"recipe {recipe.name!r} quantizes activations (A{act}); use a weight-only recipe")
+            if bits not in (4, 8):
+                raise GGUFError(f"recipe {recipe.name!r} makes {bits}-bit weights; GGUF blocks here are 4-bit "
+                                "(Q4_0 / Q4_1) or 8-bit (Q8_0)")
+            if size is not None and size % BLOCK:
+                raise GGUFError(f"recipe {recipe.name!r}: groups of {size} are not whole GGUF blocks of {BLOCK}")
+
+
+def add_gguf_args(p: Any) -> Any:
+    """Arguments of ``eqjax export-gguf``."""
+    p.add_argument("--recipe", required=True, help="a weight-only 4/8-bit recipe (e.g. w4g128-gptq, w4g128-rtn-sym, w8)")
+    p.add_argument("--out", required=True, help="output .gguf file")
+    p.add_argument("--model", default=None, help="source GGUF file (default: the bundled SmolLM2-135M); its "
+                   "metadata and tokenizer are copied")
+    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes")
+    p.add_argument("--calib-len", type=int, default=512)
+    return p
+
+
+def gguf_main(args: Any) -> int:
+    """``eqjax export-gguf``: quantize with ``--recipe``, write ``--out``, read it back and report."""
+    from eqjax.io.gguf import default_model_path  # noqa: PLC0415
+    from eqjax.models import Model  # noqa: PLC0415
+    from eqjax.recipe import quantize  # noqa: PLC0415
+    from eqjax.recipes import get_recipe  # noqa: PLC0415
+
+    recipe = get_recipe(args.recipe)
+    check_gguf_recipe(recipe)
+    src = args.model or default_model_path()
+    cfg, params, tok = load_gguf(src)
+    cal = None
+    if recipe.needs_calibration:
+        from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
+
+        cal = calibration_windows(wikipedia_tokens(tok)[0], args.calib_windows, args.calib_len, 0)
+    qparams = quantize(params, recipe, model=Model(cfg), calibration=cal, seed=0)
+    info = export_gguf(qparams, args.out, source=src, overwrite=getattr(args, "overwrite", False))
+    types = ", ".join(f"{k} x{v}" for k, v in info["tensor_types"].items())
+    print(f"wrote {info['path']} ({info['bytes'] / 2**20:.1f} MiB, recipe {recipe.name}, file type {info['file_type']}; "
+          f"tensors: {types})")
+    print("  read back: max |file - eqjax| per type: " + ", ".join(f"{k} {v:.2e}" for k, v in info["check"].items()))
+    return 0

@@ -113,24 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     if add_dist:
         add_dist(p)
 
-    p = sub.add_parser("search", help="mixed-precision bit-width search under a size budget")
-    add_search = _optional("eqjax.search_cli", "add_search_args")
-    if add_search:
-        add_search(p)
-        _add_overwrite(p, "the result files in --out")
-    _add_debug(p)
-    p = sub.add_parser("export-onnx", help="export a quantized model as an onnxruntime-genai package directory")
-    add_export = _optional("eqjax.export.onnx", "add_export_args")
-    if add_export:
-        add_export(p)
-        _add_overwrite(p, "the package directory")
-    _add_debug(p)
-    p = sub.add_parser("export-gguf", help="export a weight-only 4/8-bit model as a llama.cpp GGUF file")
-    add_gguf = _optional("eqjax.io.gguf_write", "add_gguf_args")
-    if add_gguf:
-        add_gguf(p)
-        _add_overwrite(p, "the GGUF file")
-    _add_debug(p)
+    for name, help_, module, fn, what in (
+        ("search", "mixed-precision bit-width search under a size budget", "eqjax.search_cli", "add_search_args",
+         "the result files in --out"),
+        ("export-onnx", "export a quantized model as an onnxruntime-genai package directory", "eqjax.export.onnx",
+         "add_export_args", "the package directory"),
+        ("export-gguf", "export a weight-only 4/8-bit model as a llama.cpp GGUF file", "eqjax.io.gguf_write",
+         "add_gguf_args", "the GGUF file"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        add_args = _optional(module, fn)
+        if add_args:
+            add_args(p)
+            _add_overwrite(p, what)
+        _add_debug(p)
     return parser
 
 

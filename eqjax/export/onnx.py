@@ -152,8 +152,8 @@ def add_export_args(p: Any) -> Any:
     p.add_argument("--accuracy-level", type=int, default=None, choices=(0, 1, 2, 3, 4),
                    help="override the MatMulNBits accuracy_level of --target")
     p.add_argument("--embedding", default="recipe", choices=EMBEDDING_CHOICES,
-                   help="quantize the embedding table (and a tied LM head): int8 per row or int4 groups of 32; "
-                        "'recipe' keeps what the recipe does")
+                   help="quantize the embedding table (and a tied LM head): int8 per row, int4 groups of 32, or w7a8 "
+                        "(7-bit rows; a tied head's activations int8 per token); 'recipe' keeps what the recipe does")
     p.add_argument("--context-length", type=int, default=None, help="max sequence length (default: the model's)")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime vs eqjax logits check")
     p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes")

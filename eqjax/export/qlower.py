@@ -303,9 +303,8 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
     # wider product (eqjax.export.pack)
     qx_nd, s_nd = _quantize_rows(g, x, k, K, hint)
     if _is_table(w, use.contracting, use.free):  # a tied LM head: the table stored once, as the gather reads it
-        codes, scales = w8a8_table(g, w, hint)
-        wq_name = g.op("Transpose", [codes], perm=[1, 0])  # an initializer's transpose: folded at load
-        ws_name = scales
+        table_q, ws_name = w8a8_table(g, w, hint)
+        wq_name = g.op("Transpose", [table_q], perm=[1, 0])  # an initializer's transpose: folded at load
     else:
         wq_name, ws_name = g.init(hint + ".wq", wq), g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32))
     y = g.op("MatMulIntegerToFloat", [qx_nd, wq_name, g.const(1.0), ws_name, zp, wzp], domain=MS_DOMAIN)
@@ -322,8 +321,8 @@ def w8a8_table(g: Graph, w: QArray, hint: str) -> tuple[str, str]:
     """A W8A8 table ``[V, D]`` (per-row scales) as initializers, once: its integer codes (int8 within
     ``+-S8_WEIGHT_LIMIT``, else uint8 ``+ 128``) and its float32 scales ``[V]``."""
     def make() -> tuple[str, str]:
-        codes = w8a8_weight_codes(w, (1,), (0,)).T  # [V, D]
-        return (g.init(hint + ".wq", np.ascontiguousarray(codes)),
+        vd = w8a8_weight_codes(w, (1,), (0,)).T  # [V, D]
+        return (g.init(hint + ".wq", np.ascontiguousarray(vd)),
                 g.init(hint + ".ws", np.asarray(w.scale, np.float32).reshape(-1)))
     return g.memo(("w8a8-table", hint), make)
 
@@ -333,8 +332,8 @@ def emit_table_gather(g: Graph, ids: str, k: ActQuantKernel, *, hint: str) -> st
     scales, from the same initializers as the head's ``MatMulIntegerToFloat``."""
     if not _is_table(k.weight, (1,), (0,)):
         raise ExportError(f"{hint}: a W8A8 embedding table needs one scale per row, got {k.weight.granularity}")
-    codes, scales = w8a8_table(g, k.weight, hint)
-    rows = g.op("Cast", [g.op("Gather", [codes, ids], axis=0)], to=1)
+    table_q, scales = w8a8_table(g, k.weight, hint)
+    rows = g.op("Cast", [g.op("Gather", [table_q, ids], axis=0)], to=1)
     if _table_is_u8(k.weight):
         rows = g.op("Sub", [rows, g.const(float(W8A8_ZERO_POINT))])
     s = g.op("Unsqueeze", [g.op("Gather", [scales, ids], axis=0), g.const([-1], np.int64)])

@@ -103,7 +103,10 @@ RECIPES = {
     "w8": (weight_rule(8),),
     "w8a8": (weight_rule(8, act_bits=8),),
     "w4g32": (weight_rule(4, symmetric=False, group=32),),
+    "w7a8": (weight_rule(7, act_bits=8),),  # int8 weights within +-64: the u8 x s8 lowering
 }
+# a tied head W7A8 as well (the +emb-w7a8 option): the table gathered from the head's int8 initializer
+W7A8_HEAD = (weight_rule(7, act_bits=8), weight_rule(7, act_bits=8, role="embedding"))
 TOKENS = np.random.default_rng(1).integers(0, 128, (2, 12)).astype(np.int32)
 
 
@@ -127,18 +130,22 @@ def tiny():
 # every recipe on Llama (GQA, untied) and GPT-2; the Qwen variants (bias + tied head, qk-norm + window)
 # with the float and W8A8 graphs (the layer kinds are covered above), to keep the run short.
 PAIRS = [(a, r) for a in ("llama-gqa", "gpt2") for r in RECIPES] + [
-    (a, r) for a in ("qwen2-bias-tied", "qwen3-qknorm-window") for r in ("fp32", "w8a8")]
+    (a, r) for a in ("qwen2-bias-tied", "qwen3-qknorm-window") for r in ("fp32", "w8a8")] + [
+    ("qwen2-bias-tied", "w7a8-head")]
 
 
 @pytest.mark.parametrize("arch, recipe", PAIRS)
 def test_model_export_matches_eqjax(tiny, arch, recipe):
     model, params = tiny[arch]
-    qp = params if RECIPES[recipe] is None else _rtn(model, params, RECIPES[recipe])
+    rules = W7A8_HEAD if recipe == "w7a8-head" else RECIPES[recipe]
+    qp = params if rules is None else _rtn(model, params, rules)
+    if recipe == "w7a8-head":
+        assert isinstance(qp["embed"]["embedding"], ActQuantKernel)
     ref = np.asarray(model.apply(qp, jnp.asarray(TOKENS))[0])
     m = build_model(model, qp)
     onnx.checker.check_model(m)
     y = onnx_logits(make_session(m), TOKENS)
-    if recipe == "w8a8":
+    if "a8" in recipe:
         # int8 activation codes: a float sum that differs in its last bit (fused norms, summation order) can
         # flip one code at a rounding boundary, which moves that token's logits by ~1 % of their range;
         # the other token rows stay float-exact

@@ -163,3 +163,21 @@ def test_cli_refuses_before_work(tmp_path, capsys, argv, match):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("eqjax: error:") and match in err[0], err
     assert not out.exists()
+
+
+def test_cli_keeps_an_existing_file_unless_overwrite(source, tmp_path, capsys):
+    """An existing --out is refused before any work (one line, exit 2, the file untouched); with
+    --overwrite it is replaced by a complete GGUF file (written beside it, then renamed)."""
+    from eqjax.cli import main
+
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"previous")
+    args = ["export-gguf", "--model", str(source), "--recipe", "w4g128-rtn-sym", "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--overwrite" in err[0], err
+    assert out.read_bytes() == b"previous"
+    assert main(args + ["--overwrite"]) == 0
+    assert "file type Q4_0" in capsys.readouterr().out
+    assert out.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert load_gguf(out)[0].hidden == DIMS[0]

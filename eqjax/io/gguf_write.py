@@ -249,9 +249,17 @@ def gguf_main(args: Any) -> int:
     from eqjax.recipe import quantize  # noqa: PLC0415
     from eqjax.recipes import get_recipe  # noqa: PLC0415
 
+    from eqjax.io.gguf import config_from_metadata, read_metadata  # noqa: PLC0415
+
     recipe = get_recipe(args.recipe)
     check_gguf_recipe(recipe)
     src = args.model or default_model_path()
+    c = config_from_metadata(read_metadata(src), source=str(src))
+    widths = {"hidden": c.hidden, "intermediate": c.intermediate, "heads x head_dim": c.n_heads * c.head_dim}
+    bad = {k: v for k, v in widths.items() if v % BLOCK}
+    if bad and recipe.steps:
+        raise GGUFError(f"{src}: {', '.join(f'{k} {v}' for k, v in bad.items())} not a multiple of {BLOCK}: GGUF "
+                        "blocks cannot hold its quantized weights")
     cfg, params, tok = load_gguf(src)
     cal = None
     if recipe.needs_calibration:

@@ -985,6 +985,22 @@ def catalogue() -> list[Case]:
                                                                   "--out", "{o}"], setup=lambda fx, w: {"o": str(w / "pkg")},
              check=_onnx_ok))
 
+    T = "export-gguf"
+    add(Case("export-gguf: --recipe w8a8-smoothquant", T, argv=["export-gguf", "--model", "{gguf}", "--recipe",
+                                                                 "w8a8-smoothquant", "--out", "{o}"],
+             cause=r"SmoothQuant.*weight-only", setup=lambda fx, w: {"o": str(w / "m.gguf")},
+             check=lambda fx, w, v, r: "a file was written" if pathlib.Path(v["o"]).exists() else None))
+    add(Case("export-gguf: widths not multiples of 32", T, argv=["export-gguf", "--model", "{gguf}", "--recipe", "w8",
+                                                                  "--out", "{o}"],
+             cause=r"tiny\.gguf.*hidden 8.*multiple of 32", setup=lambda fx, w: {"o": str(w / "m.gguf")}))
+    add(Case("export-gguf: output exists, no --overwrite", T, argv=["export-gguf", "--model", "{gguf}", "--recipe", "w8",
+                                                                     "--out", "{o}"], cause=r"m\.gguf.*--overwrite",
+             setup=lambda fx, w: (w / "m.gguf").write_bytes(b"old gguf") and {"o": str(w / "m.gguf")},
+             check=_unchanged("o", b"old gguf")))
+    add(Case("export-gguf: HF directory as the model", T, argv=["export-gguf", "--model", "{tiny}", "--recipe", "w8",
+                                                                 "--out", "{o}"], cause=r"\.gguf",
+             setup=lambda fx, w: {"o": str(w / "m.gguf")}))
+
     T = "checkpoint"
     ev = ["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64"]
     add(Case("checkpoint: evaluates", T, expect="ok", argv=[*ev, "--checkpoint", "{ck}", "--json", "{json_out}"],

@@ -146,6 +146,11 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
                                     _gptq(bits=4, pattern=_LAYERS)),
     "w4a8-rot-gptq": lambda: _rot("w4a8-rot-gptq", "Rotation + GPTQ W4 asymmetric group 128 + A8 per-token dynamic",
                                   _gptq(bits=4, pattern=_LAYERS), act_bits=8),
+    # the rotation unties the LM head: int8 per output channel here, so that with +emb-int8 (the table)
+    # the whole artifact is smaller than w4g128-rtn's (whose table stays float)
+    "w4g128-rot-gptq-search": lambda: _rot(
+        "w4g128-rot-gptq-search", "Rotation + GPTQ W4 asymmetric g128 on searched grids, the untied LM head int8 per channel",
+        _gptq(bits=4, pattern=_LAYERS, grid="search"), RTN((weight_rule(8, pattern="lm_head/.*"),), name="lm-head-int8")),
 }
 
 # ---- issue 13: searched grids (:mod:`eqjax.methods.grid`) and learned rounding

@@ -323,11 +323,12 @@ def test_smollm2_rotated_logits_equal_the_original():
 
 
 @pytest.mark.parametrize("name,bits,act", [("w8a8-rot", 8, True), ("w4g128-rot-rtn", 4, False),
-                                           ("w4g128-rot-gptq", 4, False), ("w4a8-rot-gptq", 4, True)])
+                                           ("w4g128-rot-gptq", 4, False), ("w4a8-rot-gptq", 4, True),
+                                           ("w4g128-rot-gptq-search", 4, False)])
 def test_named_rotation_recipes(name, bits, act):
     """The built-in rotated recipes, by name: a Rotation step quantizing every layer weight (down_proj
     inside its RotatedKernel) with the recipe's bits, activations quantized where named, the untied
-    LM head float. Oracle: the float model whose weights are the dequantized kernels (down_proj's
+    LM head float (int8 per channel in ``w4g128-rot-gptq-search``). Oracle: the float model whose weights are the dequantized kernels (down_proj's
     rotated back explicitly, ``Q_F @ dequant(inner)``) gives the same logits as the online path
     (weight-only; for A8 within the activation rounding), and differs from the float model."""
     from eqjax.recipes import get_recipe
@@ -351,7 +352,12 @@ def test_named_rotation_recipes(name, bits, act):
         assert w.bits == bits
         w = np.asarray(dequantize(w), np.float64)
         explicit[path] = jnp.asarray(w if qf is None else qf @ w, jnp.float32)
-    assert not isinstance(q["lm_head"]["kernel"], (QArray, ActQuantKernel, RotatedKernel))
+    head = q["lm_head"]["kernel"]
+    if name == "w4g128-rot-gptq-search":
+        assert isinstance(head, QArray) and head.bits == 8 and head.granularity.kind == "channel"
+        explicit["lm_head/kernel"] = dequantize(head)
+    else:
+        assert not isinstance(head, (QArray, ActQuantKernel, RotatedKernel))
     ref = np.asarray(model.apply(p, toks)[0])
     scale = np.abs(ref).max()
     got = np.asarray(model.apply(q, toks)[0])

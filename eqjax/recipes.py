@@ -62,20 +62,13 @@ def _rtn(name: str, description: str, rule: Rule) -> Callable[[], Recipe]:
 
 
 
-def _smoothquant(name: str, alpha: float, search: bool = False) -> Recipe:
+def _smoothquant(name: str, alpha: float, search: bool = False, *, weight_bits: int = 8, calibrator: str = "minmax",
+                 what: str = "W8 per-channel") -> Recipe:
     from eqjax.methods.smoothquant import SmoothQuant  # noqa: PLC0415
 
     how = "alpha searched per block" if search else f"alpha {alpha}"
-    return Recipe(name, (SmoothQuant(alpha, search), RTN((weight_rule(8, act_bits=8),))),
-                  f"SmoothQuant ({how}) + W8 per-channel + A8 per-token dynamic")
-
-
-def _w7a8() -> Recipe:
-    from eqjax.methods.smoothquant import SmoothQuant  # noqa: PLC0415
-
-    return Recipe("w7a8-smoothquant", (SmoothQuant(0.6), RTN((weight_rule(7, act_bits=8, calibrator="mse"),))),
-                  "SmoothQuant (alpha 0.6) + W7 per-channel, MSE-clipped (int8 storage within +-63: onnxruntime's "
-                  "fast u8 x s8 int8 GEMM is exact with it on every x86 CPU) + A8 per-token dynamic")
+    return Recipe(name, (SmoothQuant(alpha, search), RTN((weight_rule(weight_bits, act_bits=8, calibrator=calibrator),))),
+                  f"SmoothQuant ({how}) + {what} + A8 per-token dynamic")
 
 
 def _lkd(name: str, bits: int) -> Recipe:
@@ -113,7 +106,10 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w8a8-smoothquant-search": lambda: _smoothquant("w8a8-smoothquant-search", 0.85, search=True),
     # the edge-runtime flavour: 7-bit weight integers make onnxruntime's fast u8 x s8 int8 GEMM exact on
     # CPUs without VNNI (no int16 pair-sum saturation), ~2x faster than the u8 x u8 lowering of W8
-    "w7a8-smoothquant": _w7a8,
+    "w7a8-smoothquant": lambda: _smoothquant(
+        "w7a8-smoothquant", 0.6, weight_bits=7, calibrator="mse",
+        what="W7 per-channel, MSE-clipped (int8 storage within +-63: onnxruntime's fast u8 x s8 int8 GEMM is exact "
+             "with it on every x86 CPU)"),
     "w8a8-zeroquant-lkd": lambda: _lkd("w8a8-zeroquant-lkd", 8),
     "w4a8-zeroquant-lkd": lambda: _lkd("w4a8-zeroquant-lkd", 4),
     # KV cache (KIVI/KVQuant-style groups): keys per channel pre-RoPE in blocks of 32 tokens, values per
@@ -236,12 +232,11 @@ def embedding_step(kind: str) -> RTN:
     an untied table is read by no matmul and is only stored in 7 bits)."""
     if kind not in EMBEDDINGS:
         raise RecipeError(f"unknown embedding option {kind!r}; choose one of {', '.join(EMBEDDINGS)}")
-    act_bits = None
-    if kind == "int4":
-        spec = QuantSpec(4, False, per_input_group(32), scale_dtype="float16")
-    else:
-        spec = QuantSpec(8 if kind == "int8" else 7, True, per_output_channel())
-        act_bits = 8 if kind == "w7a8" else None
+    spec, act_bits = {
+        "int8": (QuantSpec(8, True, per_output_channel()), None),
+        "int4": (QuantSpec(4, False, per_input_group(32), scale_dtype="float16"), None),
+        "w7a8": (QuantSpec(7, True, per_output_channel()), 8),
+    }[kind]
     return RTN((Rule(".*", spec, act_bits, role="embedding"),), name=f"embedding-{kind}")
 
 

@@ -117,7 +117,7 @@ def pack_siblings(m: onnx.ModelProto) -> int:
         new_nodes[min(order[id(n)] for n in nodes)] = made
         for n in nodes:
             drop_nodes.add(id(n))
-            drop_inits.update(n.input[1:] if key[0] == "nbits" else (n.input[1], n.input[3]))
+            drop_inits.update(i for i in (n.input[1:] if key[0] == "nbits" else (n.input[1], n.input[3])) if i)
         packed += 1
     if not packed:
         return 0
@@ -129,7 +129,7 @@ def pack_siblings(m: onnx.ModelProto) -> int:
             out.append(n)
     del g.node[:]
     g.node.extend(out)
-    keep = [t for t in g.initializer if t.name not in drop_inits or not t.name]
+    keep = [t for t in g.initializer if t.name not in drop_inits]
     del g.initializer[:]
     g.initializer.extend(keep)
     return packed

@@ -282,11 +282,17 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
     if gran.kind == "group" and not grouped or gran.kind == "channel" and any(a not in use.free for a in gran.axes):
         raise ExportError(f"{use.path}: W8A8 needs per-output-channel, per-tensor or input-group weight scales, got {gran}")
     zp = g.const(W8A8_ZERO_POINT, np.uint8)
-    wq = w8a8_weight_codes(w, use.contracting, use.free)
+    table = not grouped and _is_table(w, use.contracting, use.free)
+    if table:  # a tied LM head: the table stored once, as the gather reads it
+        table_q, ws_name, u8 = w8a8_table(g, w, hint)
+        wq_name = g.op("Transpose", [table_q], perm=[1, 0])  # an initializer's transpose: folded at load
+    else:
+        wq = w8a8_weight_codes(w, use.contracting, use.free)
+        u8 = wq.dtype == np.uint8
+        ws = _matrix(np.asarray(expand_scale(w)), use.contracting, use.free).T  # [K, N] per-element scales
     # activations uint8 (zero point 128); weights int8 (zero point 0) when within +-64, else uint8 (zero point
     # 128): both exact on every x86 CPU (see S8_WEIGHT_LIMIT)
-    wzp = zp if wq.dtype == np.uint8 else g.const(0, np.int8)
-    ws = _matrix(np.asarray(expand_scale(w)), use.contracting, use.free).T  # [K, N] per-element scales
+    wzp = zp if u8 else g.const(0, np.int8)
     if grouped:
         G = gran.group_size
         ng = K // G
@@ -302,10 +308,7 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
     # (float(acc) * ws: the same two roundings as Cast then Mul) and a Mul: siblings then pack into one
     # wider product (eqjax.export.pack)
     qx_nd, s_nd = _quantize_rows(g, x, k, K, hint)
-    if _is_table(w, use.contracting, use.free):  # a tied LM head: the table stored once, as the gather reads it
-        table_q, ws_name = w8a8_table(g, w, hint)
-        wq_name = g.op("Transpose", [table_q], perm=[1, 0])  # an initializer's transpose: folded at load
-    else:
+    if not table:
         wq_name, ws_name = g.init(hint + ".wq", wq), g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32))
     y = g.op("MatMulIntegerToFloat", [qx_nd, wq_name, g.const(1.0), ws_name, zp, wzp], domain=MS_DOMAIN)
     return g.op("Mul", [y, s_nd], hint=hint)
@@ -317,13 +320,13 @@ def _is_table(w: QArray, contracting: tuple[int, ...], free: tuple[int, ...]) ->
             and tuple(w.granularity.axes) == (0,))
 
 
-def w8a8_table(g: Graph, w: QArray, hint: str) -> tuple[str, str]:
+def w8a8_table(g: Graph, w: QArray, hint: str) -> tuple[str, str, bool]:
     """A W8A8 table ``[V, D]`` (per-row scales) as initializers, once: its integer codes (int8 within
-    ``+-S8_WEIGHT_LIMIT``, else uint8 ``+ 128``) and its float32 scales ``[V]``."""
-    def make() -> tuple[str, str]:
+    ``+-S8_WEIGHT_LIMIT``, else uint8 ``+ 128``), its float32 scales ``[V]``, and whether the codes are uint8."""
+    def make() -> tuple[str, str, bool]:
         vd = w8a8_weight_codes(w, (1,), (0,)).T  # [V, D]
         return (g.init(hint + ".wq", np.ascontiguousarray(vd)),
-                g.init(hint + ".ws", np.asarray(w.scale, np.float32).reshape(-1)))
+                g.init(hint + ".ws", np.asarray(w.scale, np.float32).reshape(-1)), vd.dtype == np.uint8)
     return g.memo(("w8a8-table", hint), make)
 
 
@@ -332,14 +335,10 @@ def emit_table_gather(g: Graph, ids: str, k: ActQuantKernel, *, hint: str) -> st
     scales, from the same initializers as the head's ``MatMulIntegerToFloat``."""
     if not _is_table(k.weight, (1,), (0,)):
         raise ExportError(f"{hint}: a W8A8 embedding table needs one scale per row, got {k.weight.granularity}")
-    table_q, scales = w8a8_table(g, k.weight, hint)
+    table_q, scales, u8 = w8a8_table(g, k.weight, hint)
     rows = g.op("Cast", [g.op("Gather", [table_q, ids], axis=0)], to=1)
-    if _table_is_u8(k.weight):
+    if u8:
         rows = g.op("Sub", [rows, g.const(float(W8A8_ZERO_POINT))])
     s = g.op("Unsqueeze", [g.op("Gather", [scales, ids], axis=0), g.const([-1], np.int64)])
     return g.op("Mul", [rows, s], hint=hint)
 
-
-def _table_is_u8(w: QArray) -> bool:
-    iv = np.asarray(integer_values(w))
-    return bool(iv.size) and int(np.abs(iv).max()) > S8_WEIGHT_LIMIT

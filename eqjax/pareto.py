@@ -16,41 +16,70 @@ __all__ = ["evaluate_pareto", "plot_pareto"]
 
 
 def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndarray, *, method: str = "rtn",
-                    baselines: Sequence[tuple[str, Candidate]] = (("uniform w4g128a", Candidate(4, 128)),
-                                                                  ("uniform w3g128a", Candidate(3, 128)),
-                                                                  ("uniform w8pc", Candidate(8, None, True))),
+                    baselines: Sequence[tuple[str, Candidate | str]] = (("uniform w4g128a", Candidate(4, 128)),
+                                                                        ("uniform w3g128a", Candidate(3, 128)),
+                                                                        ("uniform w8pc", Candidate(8, None, True))),
+                    calibration: np.ndarray | None = None, matched: bool = True,
                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Perplexity (``eqjax.evaluate.perplexity``) of FP, uniform baselines and each Pareto point."""
+    """Perplexity (``eqjax.evaluate.perplexity``) of FP, uniform baselines and each Pareto point.
+
+    A baseline is a :class:`Candidate` on every searched kernel (applied by ``method``) or a built-in recipe
+    name (applied as it is). ``matched``: for each baseline, also the searched mix at <= that baseline's whole
+    bytes (``kind`` = ``"searched <= <label>"``), the like-for-like comparison. ``calibration``: token windows
+    for calibrated methods and recipes."""
     from eqjax.evaluate import perplexity
     from eqjax.recipe import quantize as run_recipe
+    from eqjax.recipes import get_recipe
 
     say = progress or (lambda s: None)
     numel = sum(L.numel for L in res.layers)
+    fixed = res.total_bytes - res.searched_bytes
     fp = perplexity(model, params, windows)
     fp_bytes16 = sum(int(np.prod(np.shape(x))) for _, x in flatten(params)) * 2
     pts: list[dict[str, Any]] = [{"kind": "fp32", "ppl": fp.ppl, "total_bytes": tree_nbytes(params),
                                   "fp16_total_bytes": fp_bytes16}]
     say(f"fp32 ppl {fp.ppl:.3f}")
 
-    def run(kind: str, picks: list[int], extra: dict[str, Any]) -> None:
-        rd = rules_for_picks(res.layers, picks)
-        qp = run_recipe(params, _make_recipe(kind, kind, method, rd))
-        sb = sum(L.nbytes[j] for L, j in zip(res.layers, picks))
+    def measure(kind: str, recipe: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        calib = calibration if recipe.needs_calibration else None
+        qp = run_recipe(params, recipe, model=model, calibration=calib)
         r = perplexity(model, qp, windows)
-        pts.append({"kind": kind, "ppl": r.ppl, "avg_bits": 8 * sb / numel, "searched_bytes": sb,
-                    "total_bytes": tree_nbytes(qp), "ratio_vs_fp16_linears": (numel * 2) / sb, **extra})
-        say(f"{kind}: {8 * sb / numel:.3f} bits/weight, ppl {r.ppl:.3f}")
+        pt = {"kind": kind, "ppl": r.ppl, "total_bytes": tree_nbytes(qp), **extra}
+        pts.append(pt)
+        say(f"{kind}: {pt['total_bytes'] / 1e6:.2f} MB, ppl {r.ppl:.3f}")
+        return pt
 
-    for lab, cand in baselines:
-        try:
-            run(lab, uniform_picks(res.layers, cand), {})
-        except ValueError as e:
-            say(f"skip {lab}: {e}")
+    def run(kind: str, picks: list[int], extra: dict[str, Any]) -> dict[str, Any]:
+        sb = sum(L.nbytes[j] for L, j in zip(res.layers, picks))
+        recipe = _make_recipe(kind, kind, method, rules_for_picks(res.layers, picks))
+        return measure(kind, recipe, {"avg_bits": 8 * sb / numel, "searched_bytes": sb,
+                                      "ratio_vs_fp16_linears": (numel * 2) / sb, **extra})
+
+    for lab, base in baselines:
+        if isinstance(base, str):
+            pt = measure(lab, get_recipe(base), {"recipe": base})
+        else:
+            try:
+                pt = run(lab, uniform_picks(res.layers, base), {})
+            except ValueError as e:
+                say(f"skip {lab}: {e}")
+                continue
+        pk = res.picks_within(pt["total_bytes"] - fixed) if matched else None
+        if pk is not None:
+            run(f"searched <= {lab}", pk, {"matched": lab, "choice_counts": _counts(res, pk)})
     for p in res.pareto:
         run(f"searched {p['budget_bits']}b", p["picks"], {"budget_bits": p["budget_bits"],
                                                          "proxy_error": p["proxy_error"],
                                                          "choice_counts": p["choice_counts"]})
     return pts
+
+
+def _counts(res: SearchResult, picks: Sequence[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for L, j in zip(res.layers, picks):
+        lab = L.options[j].label(L.shape[0])
+        out[lab] = out.get(lab, 0) + 1
+    return out
 
 
 def plot_pareto(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
@@ -63,21 +92,25 @@ def plot_pareto(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
     pts = report["pareto"]
     fig, ax = plt.subplots(figsize=(6, 4))
     if pts and "ppl" in pts[0]:
-        s = [p for p in pts if p["kind"].startswith("searched")]
-        ax.plot([p["avg_bits"] for p in s], [p["ppl"] for p in s], "o-", label="searched (exact knapsack)")
+        mb = lambda p: p["total_bytes"] / 1e6  # noqa: E731
+        s = [p for p in pts if "budget_bits" in p]
+        ax.plot([mb(p) for p in s], [p["ppl"] for p in s], "o-", label="searched (exact knapsack)")
         for p in pts:
-            if p["kind"].startswith("uniform"):
-                ax.plot(p["avg_bits"], p["ppl"], "s", label=p["kind"])
             if p["kind"] == "fp32":
                 ax.axhline(p["ppl"], ls="--", c="k", lw=0.8, label="fp32")
                 ax.axhline(p["ppl"] * 1.05, ls=":", c="gray", lw=0.8, label="fp32 + 5 %")
+            elif "matched" in p:
+                ax.plot(mb(p), p["ppl"], "*", ms=10, label=p["kind"])
+            elif "budget_bits" not in p:
+                ax.plot(mb(p), p["ppl"], "s", label=p["kind"])
         ax.set_ylabel("perplexity")
         ax.set_yscale("log")
+        ax.set_xlabel("whole artifact MB")
     else:
         ax.plot([p["avg_bits"] for p in pts], [p["proxy_error"] for p in pts], "o-")
         ax.set_ylabel("summed proxy error")
         ax.set_yscale("log")
-    ax.set_xlabel("average stored bits per linear weight")
+        ax.set_xlabel("average stored bits per linear weight")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

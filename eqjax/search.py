@@ -6,14 +6,13 @@ Pipeline (:func:`search`):
    every linear layer, the input second moment ``H = E[x x^T]`` (``[in, in]``, over all tokens).
 2. **Sensitivity proxy.** For each layer and each candidate (bits, group) the weight is quantized with
    RTN and scored by the Hessian-weighted error ``tr(dW^T H dW) = E ||x dW||^2``: the expected squared
-   output error of that layer alone (the layer-wise objective GPTQ minimizes). Measuring the real effect
-   (KL of the logits when that one layer alone is quantized) costs one forward pass per (layer,
-   candidate): 210 x 6 passes for SmolLM2, too slow on this CPU; :func:`validate_proxy` measures it on a
-   subset and reports rank correlations of the proxies (``hessian``, ``relative`` = Hessian error / output
-   energy, ``weight`` = plain ``||dW||^2``) with the measured KL; ``search(proxy=...)`` picks one.
-   Default ``relative``: on SmolLM2 (16 layer/candidate pairs, bench/results/search/proxy_check.json)
-   its Spearman correlation with the measured KL was 0.64, against 0.39 for ``hessian`` and 0.37 for
-   ``weight``.
+   output error of that layer alone (the layer-wise objective GPTQ minimizes). That error says nothing
+   of how much the rest of the network amplifies it, so the default proxy ``kl`` (:func:`calibrate_kl`)
+   measures, once per layer, the KL of the logits with that layer alone quantized at 3 bits (one forward
+   pass per layer, not per candidate) and carries it to the layer's other candidates in proportion to
+   their Hessian error. Other proxies: ``hessian``, ``relative`` (Hessian error / output energy),
+   ``weight`` (plain ``||dW||^2``). :func:`validate_proxy` measures single-layer KL at other bit widths
+   on other windows and reports each proxy's rank correlation with it.
 3. **Knapsack.** Minimize the summed proxy subject to the summed true storage bytes (packed codes +
    scales + zero points, exactly as :attr:`QArray.nbytes`) <= budget: a multiple-choice knapsack solved
    exactly by dynamic programming over the size axis in units of ``u`` bytes (sizes rounded *up*, the
@@ -63,7 +62,12 @@ __all__ = [
     "solve_mck",
     "search",
     "validate_proxy",
+    "calibrate_kl",
+    "PROXIES",
 ]
+
+PROXIES = ("kl", "relative", "hessian", "weight")
+"""Sensitivity proxies :func:`search` accepts (see the module docs)."""
 
 
 
@@ -259,6 +263,12 @@ class SearchResult:
 
     _method: str = "rtn"
     _rule_dicts: tuple = ()
+    _within: Any = None
+
+    def picks_within(self, searched_bytes: int) -> list[int] | None:
+        """The optimal option per layer (indices into ``layers[i].options``) with the searched kernels'
+        bytes <= ``searched_bytes``, or None when nothing fits (from the same knapsack table)."""
+        return self._within(searched_bytes)
 
 
 def _recipe_dict(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -288,11 +298,13 @@ def search(
     budget_bytes: int | None = None,
     candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
     method: str = "rtn",
-    proxy: str = "relative",
+    proxy: str = "kl",
     cells: int = 200_000,
     pareto_bits: Sequence[float] = (2.5, 3.0, 3.5, 4.0, 4.25, 4.5, 5.0, 6.0, 8.0),
     hessians: Mapping[str, np.ndarray] | None = None,
     name: str | None = None,
+    kl_windows: np.ndarray | None = None,
+    kl_ref_bits: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Choose a candidate per linear kernel minimizing the summed sensitivity proxy under a size budget.
@@ -305,18 +317,21 @@ def search(
       candidates: options per layer (groups adjusted per layer, see the module docs).
       method: the recipe step that applies the rules (``"rtn"``, or a calibrated method registered in
         :data:`eqjax.recipe.STEP_TYPES` whose ``from_config`` takes ``rules``).
-      proxy: ``"relative"`` (default), ``"hessian"`` or ``"weight"``.
+      proxy: ``"kl"`` (default: measured single-layer KL carried over the options by their Hessian error,
+        see :func:`calibrate_kl`), ``"relative"``, ``"hessian"`` or ``"weight"``.
       cells: DP resolution (size axis cells); the rounding slack is at most ``n_layers * unit`` bytes.
       pareto_bits: average-bit budgets at which the Pareto curve is sampled.
       hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
+      kl_windows: token windows for the ``kl`` proxy's forward passes (default: the first two calibration
+        windows); kl_ref_bits: the bit width it is measured at (each layer's smallest option of that width).
 
     Raises :class:`BudgetError` (with the minimum) when the budget is below the smallest model.
     """
     say = progress or (lambda s: None)
     if (budget_bits is None) == (budget_bytes is None):
         raise BudgetError("give exactly one of budget_bits and budget_bytes")
-    if proxy not in ("hessian", "relative", "weight"):
-        raise ValueError(f"unknown proxy {proxy!r}: use 'hessian', 'relative' or 'weight'")
+    if proxy not in PROXIES:
+        raise ValueError(f"unknown proxy {proxy!r}: use one of {', '.join(PROXIES)}")
     if not candidates:
         raise ValueError("no candidates")
     t0 = time.perf_counter()
@@ -324,6 +339,11 @@ def search(
         hessians = collect_hessians(model, params, calibration_windows, progress=say)
     say(f"statistics of {len(hessians)} linear layers ({time.perf_counter() - t0:.1f}s)")
     layers = layer_table(params, hessians, candidates, progress=say)
+    if proxy == "kl":
+        t1 = time.perf_counter()
+        kw = calibration_windows[:2] if kl_windows is None else kl_windows
+        layers = calibrate_kl(model, params, kw, layers, ref_bits=kl_ref_bits, progress=say)
+        say(f"kl proxy measured on {list(np.shape(kw))} tokens ({time.perf_counter() - t1:.1f}s)")
     numel = sum(L.numel for L in layers)
     fixed = _fixed_bytes(params, {L.path for L in layers})
     min_searched = sum(min(L.nbytes) for L in layers)
@@ -389,6 +409,7 @@ def search(
                        8 * searched_bytes / numel, budget, layers, proxy)
     object.__setattr__(res, "_method", method)
     object.__setattr__(res, "_rule_dicts", rule_dicts)
+    object.__setattr__(res, "_within", solution)
     return res
 
 
@@ -416,40 +437,83 @@ def _spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+class _KLProbe:
+    """The float model's next-token log-probabilities on ``windows`` and the effect of one layer quantized alone."""
+
+    def __init__(self, model: Any, params: Any, windows: np.ndarray) -> None:
+        self.params = params
+        self.toks = jnp.asarray(windows, jnp.int32)
+        toks = self.toks
+        self.fwd = jax.jit(lambda p: jax.nn.log_softmax(model.apply(p, toks)[0][:, :-1].astype(jnp.float32), -1))
+        self.ref = self.fwd(params)
+        self.nll_ref = self._nll(self.ref)
+
+    def _nll(self, logp: jax.Array) -> float:
+        return float(-jnp.mean(jnp.take_along_axis(logp, self.toks[:, 1:, None], -1)))
+
+    def measure(self, path: str, spec: QuantSpec) -> tuple[float, float]:
+        """(mean KL(FP || quantized) per prediction in nats, NLL change) with only ``path`` fake-quantized."""
+        from eqjax.pytree import get_path, set_path  # noqa: PLC0415
+
+        w = jnp.asarray(get_path(self.params, path), jnp.float32)
+        lq = self.fwd(set_path(self.params, path, _fake_quant(w, spec)))
+        kl = float(jnp.mean(jnp.sum(jnp.exp(self.ref) * (self.ref - lq), -1)))
+        return kl, self._nll(lq) - self.nll_ref
+
+
+def _smallest_option(L: Layer, bits: int) -> int | None:
+    opts = [j for j, c in enumerate(L.options) if c.bits == bits]
+    return min(opts, key=lambda j: L.nbytes[j]) if opts else None
+
+
+def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *, ref_bits: int = 3,
+                 progress: Callable[[str], None] | None = None) -> list[Layer]:
+    """``layers`` with a ``kl`` proxy added: the measured KL of the logits (nats per prediction) when a layer alone
+    is quantized at its smallest ``ref_bits`` option, carried to the layer's other options in proportion to
+    their Hessian error (``kl(c) = kl(ref) * hessian(c) / hessian(ref)``, a layer's second-order KL being
+    proportional to its output error). One forward pass per layer on ``windows``.
+
+    The measured factor carries what the Hessian error of a layer alone cannot: how much the rest of the
+    network amplifies or damps that layer's output error."""
+    probe = _KLProbe(model, params, windows)
+    out = []
+    for n, L in enumerate(layers):
+        j = _smallest_option(L, ref_bits)
+        if j is None:
+            raise ValueError(f"{L.path}: no {ref_bits}-bit option to measure the kl proxy at")
+        kl, _ = probe.measure(L.path, L.options[j].spec(L.shape[0]))
+        h = L.errors["hessian"]
+        scale = max(kl, 0.0) / h[j] if h[j] > 0 else 0.0
+        out.append(dataclasses.replace(L, errors={**L.errors, "kl": tuple(scale * e for e in h)}))
+        if progress and (n + 1) % 10 == 0:
+            progress(f"kl proxy: {n + 1}/{len(layers)} layers measured")
+    return out
+
+
 def validate_proxy(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *,
                    n_layers: int = 12, bits: Sequence[int] = (2, 3), seed: int = 0,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure the real effect of quantizing one layer alone (mean KL(FP || quantized) of the next-token
     distributions on ``windows``, and the NLL change) for a random subset of layers at each of ``bits``
-    (their smallest-group option), and the Spearman rank correlation of each proxy with it."""
-    from eqjax.pytree import get_path, set_path
-
+    (their smallest-group option), and the Spearman rank correlation of each proxy with it. Use windows
+    and bits other than those the ``kl`` proxy was measured at, or its correlation is not a check."""
     rng = np.random.default_rng(seed)
     subset = sorted(rng.choice(len(layers), size=min(n_layers, len(layers)), replace=False).tolist())
-    toks = jnp.asarray(windows, jnp.int32)
-    fwd = jax.jit(lambda p: jax.nn.log_softmax(model.apply(p, toks)[0][:, :-1].astype(jnp.float32), -1))
-    ref = fwd(params)
-    tgt = toks[:, 1:, None]
-    nll_ref = float(-jnp.mean(jnp.take_along_axis(ref, tgt, -1)))
+    probe = _KLProbe(model, params, windows)
     rows = []
     for n, i in enumerate(subset):
         L = layers[i]
         for b in bits:
-            opts = [j for j, c in enumerate(L.options) if c.bits == b]
-            if not opts:
+            j = _smallest_option(L, b)
+            if j is None:
                 continue
-            j = min(opts, key=lambda j: L.nbytes[j])
-            spec = L.options[j].spec(L.shape[0])
-            w = get_path(params, L.path)
-            p2 = set_path(params, L.path, _fake_quant(jnp.asarray(w, jnp.float32), spec))
-            lq = fwd(p2)
-            kl = float(jnp.mean(jnp.sum(jnp.exp(ref) * (ref - lq), -1)))
-            nll = float(-jnp.mean(jnp.take_along_axis(lq, tgt, -1)))
+            kl, dnll = probe.measure(L.path, L.options[j].spec(L.shape[0]))
             rows.append({"layer": L.path, "option": L.options[j].label(L.shape[0]), "kl": kl,
-                         "dnll": nll - nll_ref, **{f"proxy_{k}": v[j] for k, v in L.errors.items()}})
+                         "dnll": dnll, **{f"proxy_{k}": v[j] for k, v in L.errors.items()}})
         if progress:
             progress(f"proxy check: {n + 1}/{len(subset)} layers")
     kls = [r["kl"] for r in rows]
-    corr = {k: _spearman([r[f"proxy_{k}"] for r in rows], kls) for k in ("hessian", "relative", "weight")}
-    return {"n_measurements": len(rows), "windows": list(np.asarray(windows).shape), "spearman_vs_kl": corr,
-            "rows": rows}
+    names = sorted({k for L in layers for k in L.errors})
+    corr = {k: _spearman([r[f"proxy_{k}"] for r in rows], kls) for k in names}
+    return {"n_measurements": len(rows), "windows": list(np.asarray(windows).shape), "bits": list(bits),
+            "spearman_vs_kl": corr, "rows": rows}

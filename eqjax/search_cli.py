@@ -12,9 +12,32 @@ import sys
 from typing import Any
 
 from eqjax.pareto import evaluate_pareto, plot_pareto
-from eqjax.search import BudgetError, Candidate, search, validate_proxy
+from eqjax.search import PROXIES, BudgetError, Candidate, search, validate_proxy
 
-__all__ = ["add_search_args", "search_main"]
+__all__ = ["add_search_args", "search_main", "pareto_markdown"]
+
+
+def pareto_markdown(report: dict[str, Any]) -> str:
+    """A markdown table of an evaluated report: every point, then each baseline against the searched mix at
+    <= its bytes (met = lower perplexity at no more bytes)."""
+    pts = report["pareto"]
+    ev = report.get("eval", {})
+    lines = [f"Perplexity on {ev.get('windows')} x {ev.get('ctx')} tokens ({ev.get('split')}); proxy {report['proxy']}, "
+             f"method {report['method']}.", "",
+             "| point | whole MB | avg bits (searched kernels) | ppl | choices |", "|---|---|---|---|---|"]
+    for p in pts:
+        bits = f"{p['avg_bits']:.3f}" if "avg_bits" in p else "—"
+        cc = ", ".join(f"{k} x{v}" for k, v in sorted(p.get("choice_counts", {}).items()))
+        lines.append(f"| {p['kind']} | {p['total_bytes'] / 1e6:.2f} | {bits} | {p['ppl']:.3f} | {cc} |")
+    by = {p["kind"]: p for p in pts}
+    pairs = [(by[p["matched"]], p) for p in pts if "matched" in p and p["matched"] in by]
+    if pairs:
+        lines += ["", "| baseline | its MB / ppl | searched mix MB / ppl | mix better at <= bytes |", "|---|---|---|---|"]
+        for b, m in pairs:
+            ok = m["ppl"] < b["ppl"] and m["total_bytes"] <= b["total_bytes"]
+            lines.append(f"| {b['kind']} | {b['total_bytes'] / 1e6:.2f} / {b['ppl']:.3f} | "
+                         f"{m['total_bytes'] / 1e6:.2f} / {m['ppl']:.3f} | {'yes' if ok else 'no'} |")
+    return "\n".join(lines) + "\n"
 
 
 def add_search_args(p: Any) -> Any:
@@ -25,7 +48,8 @@ def add_search_args(p: Any) -> Any:
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
     p.add_argument("--out", default="search_out", help="output directory (rules JSON, Pareto JSON + PNG)")
     p.add_argument("--method", default="rtn", help="recipe step applying the rules (rtn, or a calibrated method)")
-    p.add_argument("--proxy", default="relative", choices=("hessian", "relative", "weight"))
+    p.add_argument("--proxy", default="kl", choices=PROXIES,
+                   help="sensitivity proxy (default kl: measured single-layer KL carried by the Hessian error)")
     p.add_argument("--calib-windows", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows for the Pareto ppl (0: skip)")
@@ -34,7 +58,9 @@ def add_search_args(p: Any) -> Any:
                    help="also measure single-layer KL on N random layers and correlate with the proxies")
     p.add_argument("--pareto-bits", default="2.5,3,3.5,4,4.5,5,6,8")
     p.add_argument("--baselines", default="w4g128a,w3g128a,w8pc",
-                   help="uniform baselines to evaluate (comma-separated of w4g128a, w3g128a, w8pc; empty: none)")
+                   help="uniform baselines to evaluate, each also against the searched mix at <= its bytes "
+                        "(comma-separated: w4g128a, w3g128a, w8pc on the searched kernels, or built-in recipe names; "
+                        "empty: none)")
     return p
 
 
@@ -45,10 +71,19 @@ def search_main(args: Any) -> int:
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.io.gguf import load_gguf
     from eqjax.models import Model
+    from eqjax.recipes import recipe_names
 
     def say(s: str) -> None:
         print(f"[search] {s}", flush=True)
 
+    known = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
+    base = []
+    for b in filter(None, str(args.baselines).split(",")):
+        if b not in known and b not in recipe_names():
+            print(f"error: bad --baselines entry {b!r}: expected {', '.join(known)} or a built-in recipe name",
+                  file=sys.stderr)
+            return 2
+        base.append((f"uniform {b}", known[b]) if b in known else (f"recipe {b}", b))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params, tok = load_gguf(args.model)
@@ -72,20 +107,24 @@ def search_main(args: Any) -> int:
         {"path": L.path, "shape": L.shape, "options": [c.label(L.shape[0]) for c in L.options], "nbytes": L.nbytes,
          "errors": L.errors} for L in res.layers], indent=None)
     if args.validate_proxy:
-        report["proxy_check"] = validate_proxy(model, params, cal[:2, :128], res.layers, n_layers=args.validate_proxy,
-                                               progress=say)
+        # other windows and other bit widths than the kl proxy was measured on (its first two windows, 3 bits)
+        report["proxy_check"] = validate_proxy(model, params, cal[-2:, :128], res.layers, n_layers=args.validate_proxy,
+                                               bits=(2, 4), progress=say)
         say(f"proxy Spearman vs measured KL: {report['proxy_check']['spearman_vs_kl']}")
         write_json(out / "proxy_check.json", report["proxy_check"])
     if args.eval_windows:
         ev = token_windows(eval_ids, args.eval_len, args.eval_windows)
         report["eval"] = {"windows": args.eval_windows, "ctx": args.eval_len, "split": "wikipedia eval half"}
-        known = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
-        base = tuple((f"uniform {b}", known[b]) for b in str(args.baselines).split(",") if b)
-        report["pareto"] = evaluate_pareto(model, params, res, ev, method=args.method, baselines=base, progress=say)
+        report["pareto"] = evaluate_pareto(model, params, res, ev, method=args.method, baselines=base,
+                                           calibration=cal, progress=say)
     else:
         report["pareto"] = [{k: v for k, v in p.items() if k != "picks"} for p in res.pareto]
     write_json(out / "pareto.json", report)
     plot_pareto(report, out / "pareto.png")
-    say(f"wrote {out / 'pareto.json'} and {out / 'pareto.png'}")
+    if args.eval_windows:
+        from eqjax.atomic import write_text
+
+        write_text(out / "pareto.md", pareto_markdown(report))
+    say(f"wrote {out / 'pareto.json'}, pareto.md and {out / 'pareto.png'}")
     return 0
 

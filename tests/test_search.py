@@ -108,11 +108,14 @@ def test_search_recipe_valid_and_within_budget(tiny, budget_bits):
 
 def test_search_beats_uniform_at_equal_size_on_the_proxy(tiny):
     model, params, cal, H = tiny
-    res = search(model, params, cal, budget_bits=4.5, candidates=CANDS, hessians=H)
+    res = search(model, params, cal, budget_bits=4.5, candidates=CANDS, hessians=H, proxy="hessian")
     uni = uniform_picks(res.layers, Candidate(4, 64))
     uni_bytes = sum(L.nbytes[j] for L, j in zip(res.layers, uni))
     res2 = search(model, params, cal, budget_bytes=uni_bytes + res.total_bytes - res.searched_bytes,
-                  candidates=CANDS, hessians=H)
+                  candidates=CANDS, hessians=H, proxy="hessian")
+    # the same knapsack table answers other budgets: at the uniform's bytes it is res2's solution
+    assert [L.options[j].label(L.shape[0]) for L, j in zip(res.layers, res.picks_within(uni_bytes))] == \
+        [res2.choices[L.path] for L in res.layers]
     uni_err = sum(L.errors["hessian"][j] for L, j in zip(res.layers, uni))
     got_err = sum(L.errors["hessian"][res2.layers[i].options.index(c)] for i, L in enumerate(res2.layers)
                   for c in [next(o for o in L.options if o.label(L.shape[0]) == res2.choices[L.path])])
@@ -140,3 +143,48 @@ def test_smollm2_budget_below_minimum_is_reported():
     cal = calibration_windows(wikipedia_tokens(tok)[0], 1, 64, 0)
     with pytest.raises(BudgetError, match=r"1\.0 bits/weight is below the smallest possible model: 2\.\d+ bits/weight"):
         search(model, params, cal, budget_bits=1.0)
+
+
+def _kl64(model, params, qparams, toks):
+    """Mean KL(FP || quantized) per prediction, in float64 NumPy from the two models' logits."""
+    def logp(p):
+        z = np.asarray(model.apply(p, jnp.asarray(toks))[0][:, :-1], np.float64)
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    a, b = logp(params), logp(qparams)
+    return float(np.mean(np.sum(np.exp(a) * (a - b), -1)))
+
+
+def test_kl_proxy_is_the_measured_kl_carried_by_the_hessian_error(tiny):
+    from eqjax.numerics import fake_quantize
+    from eqjax.pytree import get_path, set_path
+    from eqjax.search import calibrate_kl, layer_table
+
+    model, params, cal, H = tiny
+    layers = calibrate_kl(model, params, cal, layer_table(params, H, CANDS), ref_bits=3)
+    for L in layers[:4]:
+        j = next(i for i, c in enumerate(L.options) if c.bits == 3)
+        w = get_path(params, L.path)
+        want = _kl64(model, params, set_path(params, L.path, fake_quantize(w, L.options[j].spec(L.shape[0]))), cal)
+        assert L.errors["kl"][j] == pytest.approx(want, rel=2e-3, abs=1e-7)
+        ratio = np.asarray(L.errors["kl"]) / np.asarray(L.errors["hessian"])
+        np.testing.assert_allclose(ratio, ratio[j], rtol=1e-6)
+
+
+def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
+    """v_proj / 16 and o_proj * 16 is the same function (attention is linear in the values): the measured
+    sensitivity of v_proj is unchanged, its Hessian error drops 256x. The kl proxy must not move."""
+    from eqjax.search import calibrate_kl, layer_table
+
+    model, params, cal, _ = tiny
+    attn = params["layers_0"]["attn"]
+    scaled = {**params, "layers_0": {**params["layers_0"], "attn": {
+        **attn, "v_proj": {"kernel": attn["v_proj"]["kernel"] / 16}, "o_proj": {"kernel": attn["o_proj"]["kernel"] * 16}}}}
+    out = []
+    for p in (params, scaled):
+        h = collect_hessians(model, p, cal)
+        out.append({L.path: L for L in calibrate_kl(model, p, cal, layer_table(p, h, CANDS))})
+    a, b = (o["layers_0/attn/v_proj/kernel"] for o in out)
+    np.testing.assert_allclose(b.errors["hessian"], np.asarray(a.errors["hessian"]) / 256, rtol=1e-3)
+    np.testing.assert_allclose(b.errors["kl"], a.errors["kl"], rtol=1e-3, atol=1e-9)

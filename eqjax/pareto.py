@@ -10,7 +10,7 @@ import numpy as np
 
 from eqjax.atomic import atomic_path
 from eqjax.pytree import flatten, tree_nbytes
-from eqjax.search import Candidate, SearchResult, _make_recipe, rules_for_picks, uniform_picks
+from eqjax.search import Candidate, SearchResult, _linear_numel, _make_recipe, avg_bits, choice_counts, rules_for_picks, uniform_picks
 
 __all__ = ["evaluate_pareto", "plot_pareto"]
 
@@ -32,7 +32,7 @@ def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndar
     from eqjax.recipes import get_recipe
 
     say = progress or (lambda s: None)
-    numel = sum(L.numel for L in res.layers)
+    numel = _linear_numel(res.layers)
     fixed = res.total_bytes - res.searched_bytes
     fp = perplexity(model, params, windows)
     fp_bytes16 = sum(int(np.prod(np.shape(x))) for _, x in flatten(params)) * 2
@@ -52,8 +52,9 @@ def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndar
     def run(kind: str, picks: list[int], extra: dict[str, Any]) -> dict[str, Any]:
         sb = sum(L.nbytes[j] for L, j in zip(res.layers, picks))
         recipe = _make_recipe(kind, kind, method, rules_for_picks(res.layers, picks))
-        return measure(kind, recipe, {"avg_bits": 8 * sb / numel, "searched_bytes": sb,
-                                      "ratio_vs_fp16_linears": (numel * 2) / sb, **extra})
+        lin = sum(L.nbytes[j] for L, j in zip(res.layers, picks) if not L.is_embedding)
+        return measure(kind, recipe, {"avg_bits": avg_bits(res.layers, picks), "searched_bytes": sb,
+                                      "ratio_vs_fp16_linears": (numel * 2) / lin, **extra})
 
     for lab, base in baselines:
         if isinstance(base, str):
@@ -66,20 +67,12 @@ def evaluate_pareto(model: Any, params: Any, res: SearchResult, windows: np.ndar
                 continue
         pk = res.picks_within(pt["total_bytes"] - fixed) if matched else None
         if pk is not None:
-            run(f"searched <= {lab}", pk, {"matched": lab, "choice_counts": _counts(res, pk)})
+            run(f"searched <= {lab}", pk, {"matched": lab, "choice_counts": choice_counts(res.layers, pk)})
     for p in res.pareto:
         run(f"searched {p['budget_bits']}b", p["picks"], {"budget_bits": p["budget_bits"],
                                                          "proxy_error": p["proxy_error"],
                                                          "choice_counts": p["choice_counts"]})
     return pts
-
-
-def _counts(res: SearchResult, picks: Sequence[int]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for L, j in zip(res.layers, picks):
-        lab = L.options[j].label(L.shape[0])
-        out[lab] = out.get(lab, 0) + 1
-    return out
 
 
 def plot_pareto(report: Mapping[str, Any], path: str | pathlib.Path) -> None:

@@ -12,7 +12,7 @@ per-tensor ones float32.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from eqjax.methods.rtn import RTN
 from eqjax.numerics import QuantSpec
@@ -225,19 +225,26 @@ def recipe_names() -> list[str]:
     return list(RECIPES)
 
 
-def embedding_step(kind: str) -> RTN:
-    """An RTN step quantizing the embedding table(s): ``int8`` per row (symmetric), ``int4`` groups of 32
-    (asymmetric), or ``w7a8``: 7-bit integers per row in int8 storage, and a tied LM head's input
-    activations int8 per token (the head runs as W8A8; onnxruntime's fast u8 x s8 GEMM is exact with it;
-    an untied table is read by no matmul and is only stored in 7 bits)."""
+def embedding_rule_dict(kind: str) -> dict[str, Any]:
+    """The recipe-file rule of an embedding option: ``int8`` per row (symmetric), ``int4`` groups of 32
+    (asymmetric, float16 scales), or ``w7a8``: 7-bit integers per row in int8 storage, and a tied LM head's
+    input activations int8 per token (the head runs as W8A8; onnxruntime's fast u8 x s8 GEMM is exact with
+    it; an untied table is read by no matmul and is only stored in 7 bits)."""
     if kind not in EMBEDDINGS:
         raise RecipeError(f"unknown embedding option {kind!r}; choose one of {', '.join(EMBEDDINGS)}")
-    spec, act_bits = {
-        "int8": (QuantSpec(8, True, per_output_channel()), None),
-        "int4": (QuantSpec(4, False, per_input_group(32), scale_dtype="float16"), None),
-        "w7a8": (QuantSpec(7, True, per_output_channel()), 8),
+    base = {"pattern": ".*", "role": "embedding"}
+    return {
+        "int8": {**base, "bits": 8, "symmetric": True, "granularity": "channel"},
+        "int4": {**base, "bits": 4, "symmetric": False, "granularity": "group", "group_size": 32, "scale_dtype": "float16"},
+        "w7a8": {**base, "bits": 7, "symmetric": True, "granularity": "channel", "act_bits": 8},
     }[kind]
-    return RTN((Rule(".*", spec, act_bits, role="embedding"),), name=f"embedding-{kind}")
+
+
+def embedding_step(kind: str) -> RTN:
+    """An RTN step quantizing the embedding table(s) as :func:`embedding_rule_dict` says."""
+    from eqjax.rules import rule_from_dict  # noqa: PLC0415
+
+    return RTN((rule_from_dict(embedding_rule_dict(kind)),), name=f"embedding-{kind}")
 
 
 def with_embedding(recipe: Recipe, kind: str) -> Recipe:

@@ -20,10 +20,9 @@ Pipeline (:func:`search`):
    ~200k cells, a rounding slack of at most ``n_layers * u`` bytes). One DP table gives the optimum for
    every budget at once (the Pareto curve).
 
-Group sizes must divide a layer's input width; SmolLM2's 576 = 4.5 x 128 is not a multiple of 128, so a
-candidate's group is replaced per layer by the largest power of two that divides the width and is at most
-the requested group (576 -> 64; 1536 keeps 128). Powers of two keep every 2/4-bit choice exportable as
-ONNX MatMulNBits.
+Groups run along a layer's input as the built-in recipes lay them out: where the group does not divide the
+width, the last group is shorter (SmolLM2's 576 = 4 x 128 + 64), so a uniform candidate is exactly the
+recipe of the same name (``w4g128a`` = ``w4g128-rtn``) and the search can always fall back to it.
 
 Budgets: ``budget_bits`` is the average stored bits per weight over the searched (linear) kernels,
 metadata included (W4 g128 asymmetric with float16 scales is 4.1875); ``budget_bytes`` is the total
@@ -52,6 +51,7 @@ from eqjax.knapsack import BudgetError, mck_table, solve_mck
 
 __all__ = [
     "Candidate",
+    "EmbeddingCandidate",
     "DEFAULT_CANDIDATES",
     "BudgetError",
     "SearchResult",
@@ -63,6 +63,9 @@ __all__ = [
     "search",
     "validate_proxy",
     "calibrate_kl",
+    "embedding_layer",
+    "avg_bits",
+    "choice_counts",
     "PROXIES",
 ]
 
@@ -103,22 +106,31 @@ class Candidate:
 
 
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
-    Candidate(2, 64), Candidate(3, 64), Candidate(3, 128), Candidate(4, 64), Candidate(4, 128),
-    Candidate(8, None, True),
+    Candidate(2, 32), Candidate(3, 32), Candidate(3, 64), Candidate(3, 128), Candidate(4, 32), Candidate(4, 64),
+    Candidate(4, 128), Candidate(8, None, True),
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbeddingCandidate:
+    """One storage choice for the embedding table(s) (and a tied LM head): ``float`` (as loaded) or a
+    built-in embedding option of :func:`eqjax.recipes.embedding_rule_dict` (``int8``, ``int4``)."""
+
+    kind: str = "float"
+
+    def label(self, k_in: int | None = None) -> str:
+        return f"emb-{self.kind}"
+
+    def rule_dict(self, pattern: str = ".*", k_in: int | None = None) -> dict[str, Any] | None:
+        from eqjax.recipes import embedding_rule_dict  # noqa: PLC0415
+
+        return None if self.kind == "float" else embedding_rule_dict(self.kind)
+
+
 def layer_group(k_in: int, group: int | None) -> int | None:
-    """The group size used on a layer with ``k_in`` inputs: ``group`` if it divides ``k_in``, else the
-    largest power of two dividing ``k_in`` that is <= ``group`` (None = per-channel)."""
-    if group is None:
-        return None
-    if k_in % group == 0:
-        return group
-    p = 1
-    while k_in % (p * 2) == 0 and p * 2 <= group:
-        p *= 2
-    return p if p >= 8 else None
+    """The group size used on a layer with ``k_in`` inputs: ``group`` (the last group shorter where it does not
+    divide ``k_in``), at most ``k_in``; None = per output channel."""
+    return None if group is None else min(group, k_in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +139,26 @@ class Layer:
 
     path: str  # e.g. "layers_3/attn/q_proj/kernel"
     shape: tuple[int, int]
-    options: tuple[Candidate, ...]
+    options: tuple[Candidate, ...] | tuple[EmbeddingCandidate, ...]
     nbytes: tuple[int, ...]
     errors: Mapping[str, tuple[float, ...]]  # proxy name -> error per option
+    covers: tuple[str, ...] = ()  # the param paths its bytes count (default: path alone)
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    @property
+    def is_embedding(self) -> bool:
+        return isinstance(self.options[0], EmbeddingCandidate)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return self.covers or (self.path,)
+
+
+def _linear_numel(layers: Sequence[Layer]) -> int:
+    return sum(L.numel for L in layers if not L.is_embedding)
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -271,8 +296,12 @@ class SearchResult:
         return self._within(searched_bytes)
 
 
-def _recipe_dict(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    return {"name": name, "description": description, "steps": [{"method": method, "rules": [dict(r) for r in rule_dicts]}]}
+def _recipe_dict(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+    """One ``method`` step for the matmul rules, then one ``rtn`` step for embedding rules (if any)."""
+    mats = [dict(r) for r in rule_dicts if r is not None and r.get("role") != "embedding"]
+    embs = [dict(r) for r in rule_dicts if r is not None and r.get("role") == "embedding"]
+    steps = [{"method": method, "rules": mats}] + ([{"method": "rtn", "rules": embs}] if embs else [])
+    return {"name": name, "description": description, "steps": steps}
 
 
 def _make_recipe(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any]]) -> Recipe:
@@ -305,6 +334,7 @@ def search(
     name: str | None = None,
     kl_windows: np.ndarray | None = None,
     kl_ref_bits: int = 3,
+    embedding: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Choose a candidate per linear kernel minimizing the summed sensitivity proxy under a size budget.
@@ -324,6 +354,9 @@ def search(
       hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
       kl_windows: token windows for the ``kl`` proxy's forward passes (default: the first two calibration
         windows); kl_ref_bits: the bit width it is measured at (each layer's smallest option of that width).
+      embedding: embedding options (``"int8"``, ``"int4"``) searched beside float for the embedding table(s)
+        as one more knapsack item (``kl`` proxy only; :func:`embedding_layer`). ``budget_bits`` then means
+        the bytes of linears at that average with the tables float, spent however the search finds best.
 
     Raises :class:`BudgetError` (with the minimum) when the budget is below the smallest model.
     """
@@ -339,23 +372,30 @@ def search(
         hessians = collect_hessians(model, params, calibration_windows, progress=say)
     say(f"statistics of {len(hessians)} linear layers ({time.perf_counter() - t0:.1f}s)")
     layers = layer_table(params, hessians, candidates, progress=say)
+    if embedding and proxy != "kl":
+        raise ValueError("embedding options are searched with the kl proxy only")
     if proxy == "kl":
         t1 = time.perf_counter()
         kw = calibration_windows[:2] if kl_windows is None else kl_windows
-        layers = calibrate_kl(model, params, kw, layers, ref_bits=kl_ref_bits, progress=say)
-        say(f"kl proxy measured on {list(np.shape(kw))} tokens ({time.perf_counter() - t1:.1f}s)")
-    numel = sum(L.numel for L in layers)
-    fixed = _fixed_bytes(params, {L.path for L in layers})
+        probe = _KLProbe(model, params, kw)
+        layers = calibrate_kl(model, params, kw, layers, ref_bits=kl_ref_bits, progress=say, probe=probe)
+        emb = embedding_layer(model, params, probe, tuple(embedding)) if embedding else None
+        layers = layers + ([emb] if emb is not None else [])
+        say(f"kl proxy measured on {list(np.shape(kw))} tokens ({time.perf_counter() - t1:.1f}s)"
+            + (f"; embedding options {dict(zip([o.kind for o in emb.options], emb.errors['kl']))}" if emb else ""))
+    numel = _linear_numel(layers)
+    fixed = _fixed_bytes(params, {p for L in layers for p in L.paths})
+    tables = sum(L.nbytes[0] for L in layers if L.is_embedding)  # the tables' float bytes
     min_searched = sum(min(L.nbytes) for L in layers)
     max_searched = sum(max(L.nbytes) for L in layers)
     if budget_bits is not None:
         if not budget_bits > 0 or not math.isfinite(budget_bits):
             raise BudgetError(f"budget_bits must be a positive number, got {budget_bits}")
-        budget = int(budget_bits * numel / 8)
+        budget = int(budget_bits * numel / 8) + tables
         if budget < min_searched:
             raise BudgetError(
                 f"budget of {budget_bits} bits/weight is below the smallest possible model: "
-                f"{8 * min_searched / numel:.4f} bits/weight ({min_searched} bytes for the {len(layers)} searched "
+                f"{8 * (min_searched - tables) / numel:.4f} bits/weight ({min_searched} bytes for the {len(layers)} searched "
                 f"kernels, every one at its smallest candidate)")
     else:
         budget = int(budget_bytes) - fixed
@@ -364,7 +404,7 @@ def search(
                 f"budget of {int(budget_bytes)} bytes is below the smallest possible model: {fixed + min_searched} "
                 f"bytes ({fixed} bytes of unsearched params + {min_searched} bytes of the {len(layers)} kernels at "
                 "their smallest candidates)")
-    cap = max(budget, int(max(pareto_bits, default=0) * numel / 8), max_searched)
+    cap = max(budget, int(max(pareto_bits, default=0) * numel / 8) + tables, max_searched)
     cap = min(cap, max_searched)
     unit = max(1, -(-cap // cells))
     errs = [L.errors[proxy] for L in layers]
@@ -382,31 +422,26 @@ def search(
     assert searched_bytes <= budget
     pareto = []
     for b in sorted(set(pareto_bits) | ({budget_bits} if budget_bits else set())):
-        pk = solution(int(b * numel / 8))
+        pk = solution(int(b * numel / 8) + tables)
         if pk is None:
             continue
         sb = sum(L.nbytes[j] for L, j in zip(layers, pk))
-        counts: dict[str, int] = {}
-        for L, j in zip(layers, pk):
-            lab = L.options[j].label(L.shape[0])
-            counts[lab] = counts.get(lab, 0) + 1
-        pareto.append({"budget_bits": b, "avg_bits": 8 * sb / numel, "searched_bytes": sb, "total_bytes": sb + fixed,
-                       "proxy_error": float(sum(e[j] for e, j in zip(errs, pk))), "choice_counts": counts,
+        pareto.append({"budget_bits": b, "avg_bits": avg_bits(layers, pk), "searched_bytes": sb, "total_bytes": sb + fixed,
+                       "proxy_error": float(sum(e[j] for e, j in zip(errs, pk))), "choice_counts": choice_counts(layers, pk),
                        "picks": pk})
-    rule_dicts = tuple(
-        L.options[j].rule_dict(re.escape(L.path), L.shape[0]) for L, j in zip(layers, picks)
-    )
+    rule_dicts = rules_for_picks(layers, picks)
     label = f"{budget_bits}bits" if budget_bits is not None else f"{int(budget_bytes)}B"
     name = name or f"search-{method}-{label}"
     desc = (f"mixed precision found by eqjax.search ({proxy} proxy, exact knapsack): "
-            f"{8 * searched_bytes / numel:.3f} bits/weight over {len(layers)} kernels")
+            f"{avg_bits(layers, picks):.3f} bits/weight over {sum(not L.is_embedding for L in layers)} kernels"
+            + "".join(f", table {L.options[j].kind}" for L, j in zip(layers, picks) if L.is_embedding))
     recipe = _make_recipe(name, desc, method, rule_dicts)
     rules = tuple(recipe.steps[0].rules) if hasattr(recipe.steps[0], "rules") else ()
     choices = {L.path: L.options[j].label(L.shape[0]) for L, j in zip(layers, picks)}
-    say(f"solution: {8 * searched_bytes / numel:.3f} bits/weight, {searched_bytes} bytes searched, "
+    say(f"solution: {avg_bits(layers, picks):.3f} bits/weight, {searched_bytes} bytes searched, "
         f"{searched_bytes + fixed} total ({time.perf_counter() - t0:.1f}s)")
     res = SearchResult(recipe, rules, pareto, choices, searched_bytes, searched_bytes + fixed,
-                       8 * searched_bytes / numel, budget, layers, proxy)
+                       avg_bits(layers, picks), budget, layers, proxy)
     object.__setattr__(res, "_method", method)
     object.__setattr__(res, "_rule_dicts", rule_dicts)
     object.__setattr__(res, "_within", solution)
@@ -414,14 +449,32 @@ def search(
 
 
 def rules_for_picks(layers: Sequence[Layer], picks: Sequence[int]) -> tuple[dict[str, Any], ...]:
-    """Rule dicts for one option per layer (e.g. a Pareto point's ``picks``)."""
-    return tuple(L.options[j].rule_dict(re.escape(L.path), L.shape[0]) for L, j in zip(layers, picks))
+    """Rule dicts for one option per layer (e.g. a Pareto point's ``picks``); a float table has none."""
+    rd = (L.options[j].rule_dict(re.escape(L.path), L.shape[0]) for L, j in zip(layers, picks))
+    return tuple(r for r in rd if r is not None)
+
+
+def avg_bits(layers: Sequence[Layer], picks: Sequence[int]) -> float:
+    """Average stored bits per weight of the linear kernels (metadata included; tables not counted)."""
+    return 8 * sum(L.nbytes[j] for L, j in zip(layers, picks) if not L.is_embedding) / _linear_numel(layers)
+
+
+def choice_counts(layers: Sequence[Layer], picks: Sequence[int]) -> dict[str, int]:
+    """How many layers took each option label."""
+    out: dict[str, int] = {}
+    for L, j in zip(layers, picks):
+        lab = L.options[j].label(L.shape[0])
+        out[lab] = out.get(lab, 0) + 1
+    return out
 
 
 def uniform_picks(layers: Sequence[Layer], candidate: Candidate) -> list[int]:
     """The option index of ``candidate`` on every layer (groups adjusted as the search adjusts them)."""
     out = []
     for L in layers:
+        if L.is_embedding:  # a uniform baseline keeps the tables as loaded
+            out.append(0)
+            continue
         key = (candidate.bits, layer_group(L.shape[0], candidate.group), candidate.symmetric)
         idx = [i for i, c in enumerate(L.options) if (c.bits, layer_group(L.shape[0], c.group), c.symmetric) == key]
         if not idx:
@@ -451,14 +504,18 @@ class _KLProbe:
     def _nll(self, logp: jax.Array) -> float:
         return float(-jnp.mean(jnp.take_along_axis(logp, self.toks[:, 1:, None], -1)))
 
+    def of(self, params: Any) -> tuple[float, float]:
+        """(mean KL(FP || ``params``) per prediction in nats, NLL change) of another param tree of the model."""
+        lq = self.fwd(params)
+        kl = float(jnp.mean(jnp.sum(jnp.exp(self.ref) * (self.ref - lq), -1)))
+        return kl, self._nll(lq) - self.nll_ref
+
     def measure(self, path: str, spec: QuantSpec) -> tuple[float, float]:
         """(mean KL(FP || quantized) per prediction in nats, NLL change) with only ``path`` fake-quantized."""
         from eqjax.pytree import get_path, set_path  # noqa: PLC0415
 
         w = jnp.asarray(get_path(self.params, path), jnp.float32)
-        lq = self.fwd(set_path(self.params, path, _fake_quant(w, spec)))
-        kl = float(jnp.mean(jnp.sum(jnp.exp(self.ref) * (self.ref - lq), -1)))
-        return kl, self._nll(lq) - self.nll_ref
+        return self.of(set_path(self.params, path, _fake_quant(w, spec)))
 
 
 def _smallest_option(L: Layer, bits: int) -> int | None:
@@ -467,7 +524,7 @@ def _smallest_option(L: Layer, bits: int) -> int | None:
 
 
 def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *, ref_bits: int = 3,
-                 progress: Callable[[str], None] | None = None) -> list[Layer]:
+                 progress: Callable[[str], None] | None = None, probe: _KLProbe | None = None) -> list[Layer]:
     """``layers`` with a ``kl`` proxy added: the measured KL of the logits (nats per prediction) when a layer alone
     is quantized at its smallest ``ref_bits`` option, carried to the layer's other options in proportion to
     their Hessian error (``kl(c) = kl(ref) * hessian(c) / hessian(ref)``, a layer's second-order KL being
@@ -475,7 +532,7 @@ def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[
 
     The measured factor carries what the Hessian error of a layer alone cannot: how much the rest of the
     network amplifies or damps that layer's output error."""
-    probe = _KLProbe(model, params, windows)
+    probe = probe or _KLProbe(model, params, windows)
     out = []
     for n, L in enumerate(layers):
         j = _smallest_option(L, ref_bits)
@@ -490,6 +547,38 @@ def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[
     return out
 
 
+def embedding_layer(model: Any, params: Any, probe: _KLProbe, kinds: Sequence[str] = ("int8", "int4")) -> Layer | None:
+    """The embedding table(s) (a tied LM head with them) as one searchable pseudo-layer: options ``float`` and
+    ``kinds`` (:func:`eqjax.recipes.embedding_rule_dict`), their stored bytes, and a ``kl`` error measured
+    directly (one forward pass per option). None when the model has no embedding table."""
+    from eqjax.errors import EqjaxError  # noqa: PLC0415
+    from eqjax.qarray import is_quantized  # noqa: PLC0415
+    from eqjax.recipe import quantize as run_recipe  # noqa: PLC0415
+    from eqjax.recipes import embedding_step  # noqa: PLC0415
+
+    flat = dict(flatten(params))
+    opts, sizes, kls, covers = [EmbeddingCandidate("float")], [], [0.0], None
+    for kind in kinds:
+        try:
+            qp = run_recipe(params, Recipe(f"emb-{kind}", (embedding_step(kind),)), model=model)
+        except EqjaxError:  # quantizes nothing: no embedding table
+            return None
+        qflat = dict(flatten(qp))
+        changed = tuple(sorted(k for k, v in qflat.items() if is_quantized(v) and not is_quantized(flat[k])))
+        if covers is None:
+            covers = changed
+            sizes.append(sum(int(flat[k].nbytes) for k in covers))
+        elif changed != covers:
+            raise ValueError(f"embedding options quantize different params: {covers} vs {changed}")
+        sizes.append(sum(int(qflat[k].nbytes) for k in covers))
+        kls.append(max(probe.of(qp)[0], 0.0))
+        opts.append(EmbeddingCandidate(kind))
+    if not covers:
+        return None
+    shape = tuple(int(d) for d in flat[covers[0]].shape)
+    return Layer(covers[0], shape, tuple(opts), tuple(sizes), {"kl": tuple(kls)}, covers)
+
+
 def validate_proxy(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *,
                    n_layers: int = 12, bits: Sequence[int] = (2, 3), seed: int = 0,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -497,6 +586,7 @@ def validate_proxy(model: Any, params: Any, windows: np.ndarray, layers: Sequenc
     distributions on ``windows``, and the NLL change) for a random subset of layers at each of ``bits``
     (their smallest-group option), and the Spearman rank correlation of each proxy with it. Use windows
     and bits other than those the ``kl`` proxy was measured at, or its correlation is not a check."""
+    layers = [L for L in layers if not L.is_embedding]
     rng = np.random.default_rng(seed)
     subset = sorted(rng.choice(len(layers), size=min(n_layers, len(layers)), replace=False).tolist())
     probe = _KLProbe(model, params, windows)

@@ -50,6 +50,9 @@ def add_search_args(p: Any) -> Any:
     p.add_argument("--method", default="rtn", help="recipe step applying the rules (rtn, or a calibrated method)")
     p.add_argument("--proxy", default="kl", choices=PROXIES,
                    help="sensitivity proxy (default kl: measured single-layer KL carried by the Hessian error)")
+    p.add_argument("--embedding", default="int8,int4",
+                   help="embedding-table options searched beside float (comma-separated of int8, int4; 'none': "
+                        "the tables stay as loaded); needs the kl proxy")
     p.add_argument("--calib-windows", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows for the Pareto ppl (0: skip)")
@@ -77,6 +80,12 @@ def search_main(args: Any) -> int:
         print(f"[search] {s}", flush=True)
 
     known = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
+    emb = [] if args.embedding in ("", "none") else str(args.embedding).split(",")
+    bad = [e for e in emb if e not in ("int8", "int4")]
+    if bad or (emb and args.proxy != "kl"):
+        why = f"unknown option {bad[0]!r} (expected int8, int4 or none)" if bad else "embedding options need --proxy kl"
+        print(f"error: bad --embedding {args.embedding!r}: {why}", file=sys.stderr)
+        return 2
     base = []
     for b in filter(None, str(args.baselines).split(",")):
         if b not in known and b not in recipe_names():
@@ -93,7 +102,7 @@ def search_main(args: Any) -> int:
     pbits = [float(x) for x in str(args.pareto_bits).split(",") if x]
     try:
         res = search(model, params, cal, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
-                     method=args.method, proxy=args.proxy, pareto_bits=pbits, progress=say)
+                     method=args.method, proxy=args.proxy, pareto_bits=pbits, embedding=emb, progress=say)
     except BudgetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,11 +59,23 @@ def test_knapsack_budget_below_minimum():
         solve_mck([[1, 5], [2, 3]], [[1.0, 0.0], [1.0, 0.0]], 2)
 
 
-def test_layer_group_for_widths_not_multiple_of_128():
-    assert layer_group(576, 128) == 64  # SmolLM2 width: 576 = 4.5 x 128
+def test_layer_group_keeps_the_recipes_layout():
+    assert layer_group(576, 128) == 128  # SmolLM2 width: 576 = 4 x 128 + a short group of 64, as w4g128-rtn
     assert layer_group(1536, 128) == 128
-    assert layer_group(576, 64) == 64
+    assert layer_group(64, 128) == 64
     assert layer_group(576, None) is None
+
+
+def test_uniform_candidate_is_the_recipe_of_the_same_name():
+    """On a 576-wide layer (groups 128 + a short last one) the candidate quantizes as the built-in recipe."""
+    from eqjax.numerics import dequantize, fake_quantize
+    from eqjax.recipes import get_recipe
+
+    w = jax.random.normal(jax.random.key(1), (576, 96))
+    q = quantize({"k": {"kernel": w}}, get_recipe("w4g128-rtn"), example=(jnp.ones((1, 576)),),
+                 model=lambda p, x: x @ p["k"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(dequantize(q["k"]["kernel"])),
+                                  np.asarray(fake_quantize(w, Candidate(4, 128).spec(576))))
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +200,42 @@ def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
     a, b = (o["layers_0/attn/v_proj/kernel"] for o in out)
     np.testing.assert_allclose(b.errors["hessian"], np.asarray(a.errors["hessian"]) / 256, rtol=1e-3)
     np.testing.assert_allclose(b.errors["kl"], a.errors["kl"], rtol=1e-3, atol=1e-9)
+
+
+def test_embedding_is_one_more_knapsack_item(tiny):
+    """Embedding options: bytes as the +emb recipes store them, KL measured directly (float64 oracle), the
+    searched recipe puts the table in its own RTN step and round-trips through a recipe file."""
+    from eqjax.recipe import Recipe
+    from eqjax.recipes import embedding_step
+
+    model, params, cal, H = tiny
+    res = search(model, params, cal, budget_bits=3.5, candidates=CANDS, hessians=H, embedding=("int8", "int4"),
+                 pareto_bits=(3.0, 16.0))
+    emb = [L for L in res.layers if L.is_embedding]
+    assert len(emb) == 1 and [o.kind for o in emb[0].options] == ["float", "int8", "int4"]
+    (L,) = emb
+    assert L.nbytes[0] == params["embed"]["embedding"].nbytes
+    for j, kind in ((1, "int8"), (2, "int4")):
+        qp = quantize(params, Recipe(kind, (embedding_step(kind),)), model=model)
+        assert L.nbytes[j] == tree_nbytes(qp) - tree_nbytes(params) + L.nbytes[0]
+        assert L.errors["kl"][j] == pytest.approx(_kl64(model, params, qp, cal), rel=2e-3, abs=1e-7)
+    # the budget counts the tables: linears at 3.5 bits on average with the table float, spent as found best
+    linear_numel = sum(x.numel for x in res.layers if not x.is_embedding)
+    fixed = tree_nbytes(params) - linear_numel * 4 - L.nbytes[0]
+    assert res.searched_bytes <= int(3.5 * linear_numel / 8) + L.nbytes[0]
+    qp = quantize(params, res.recipe, model=model)
+    assert tree_nbytes(qp) == res.total_bytes == fixed + res.searched_bytes
+    d = res.recipe_dict()
+    table = res.choices[L.path]
+    assert [s["method"] for s in d["steps"]] == (["rtn"] if table == "emb-float" else ["rtn", "rtn"])
+    assert tree_nbytes(quantize(params, recipe_from_dict(json.loads(json.dumps(d))), model=model)) == res.total_bytes
+    # with room for everything the float table (no error) is kept; uniform baselines keep it float
+    top = max(res.pareto, key=lambda p: p["budget_bits"])
+    assert top["choice_counts"].get("emb-float") == 1
+    assert uniform_picks(res.layers, Candidate(4, 64))[res.layers.index(L)] == 0
+
+
+def test_embedding_options_need_the_kl_proxy(tiny):
+    model, params, cal, H = tiny
+    with pytest.raises(ValueError, match="kl proxy only"):
+        search(model, params, cal, budget_bits=4.0, candidates=CANDS, hessians=H, proxy="hessian", embedding=("int8",))

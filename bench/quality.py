@@ -80,9 +80,11 @@ def _gap_closed(rows: dict, method: str, base: str, fp: float) -> float | None:
     return 100.0 * (b - rows[method]["ppl"]) / (b - fp)
 
 
-def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for each target of issue 4 that the rows can answer."""
-    by = {r["recipe"]: r for r in rows if "ppl" in r and r.get("calib_windows", 0) in (0, MAIN_CALIB)}
+def targets(rows: list[dict], key: str = "ppl") -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for each target of issues 4 and 13 that the rows can answer, on the perplexity
+    ``key`` (``ppl``: Wikipedia; ``ppl_news``: the second text, where peers' rows do not exist)."""
+    by = {r["recipe"]: {**r, "ppl": r[key]} for r in rows
+          if key in r and "ppl" in r and r.get("calib_windows", 0) in (0, MAIN_CALIB)}
     if "fp" not in by:
         return []
     fp = by["fp"]["ppl"]
@@ -113,7 +115,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, bool | None]]:
     if "w8a8-zeroquant-lkd" in by and "w8a8-zeroquant" in by:
         a, b = by["w8a8-zeroquant-lkd"]["ppl"], by["w8a8-zeroquant"]["ppl"]
         out.append(("ZeroQuant + LKD improves over ZeroQuant (W8A8 g64)", f"{a:.3f} vs {b:.3f}", a < b))
-    out += issue13_targets(by, fp)
+    out += issue13_targets(by, fp, peers=key == "ppl")
     if "w4g128-gptq" in by:
         r = by["w4g128-gptq"]
         out.append(("GPTQ W4 quantize time <= 150 s (half the reference's ~300 s)", f"{r['quantize_seconds']:.0f} s", r["quantize_seconds"] <= 150))
@@ -140,21 +142,26 @@ def _weight_only(r: dict) -> bool:
     return r.get("a_bits") in (None, 16, 32, "-", "16", "32") and r.get("kv_bits") in (None, 16, 32, "-", "16", "32")
 
 
-def issue13_targets(by: dict, fp: float) -> list[tuple[str, str, bool | None]]:
-    """Issue 13's targets that the rows can answer (see the issue; AutoRound rows from peers.json)."""
+def issue13_targets(by: dict, fp: float, peers: bool = True) -> list[tuple[str, str, bool | None]]:
+    """Issue 13's targets that the rows can answer (see the issue; AutoRound rows from peers.json, which
+    hold Wikipedia perplexities: ``peers=False`` leaves them out)."""
     out: list[tuple[str, str, bool | None]] = []
+    if "w4a8-rot-gptq" in by and "w4a8-zeroquant-lkd" in by:
+        a, b = by["w4a8-rot-gptq"]["ppl"], by["w4a8-zeroquant-lkd"]["ppl"]
+        out.append(("W4A8 with rotation (w4a8-rot-gptq) below W4A8 ZeroQuant-LKD", f"{a:.3f} vs {b:.3f}", a < b))
     if "w4g128-rtn" in by:
         cap = by["w4g128-rtn"]["size_bytes"]
         w4 = [(n, r) for n, r in by.items() if n.startswith("w4g128-") and _weight_only(r) and r["size_bytes"] <= cap]
-        if w4:
+        prev = by.get("w4g128-awq-gptq", {}).get("ppl")
+        peers = _autoround_rows() if peers else []
+        if w4 and (prev is not None or peers):  # nothing to beat: no row
             n, r = min(w4, key=lambda t: t[1]["ppl"])
-            prev = by.get("w4g128-awq-gptq", {}).get("ppl")
-            peers = _autoround_rows()
             worse = [f"{pn} {pp:.3f}" for pn, pp in peers if r["ppl"] >= pp]
             ok = (prev is None or r["ppl"] < prev) and not worse
             out.append((f"best W4 g128 weight-only at <= the bytes of w4g128-rtn beats w4g128-awq-gptq"
-                        f"{'' if prev is None else f' ({prev:.3f})'} and every AutoRound W4 g128 row of peers.json"
-                        f" ({', '.join(f'{pn} {pp:.3f}' for pn, pp in peers) or 'none found'})",
+                        f"{'' if prev is None else f' ({prev:.3f})'}"
+                        + (f" and every AutoRound W4 g128 row of peers.json ({', '.join(f'{pn} {pp:.3f}' for pn, pp in peers) or 'none found'})"
+                           if peers else ""),
                         f"{r['ppl']:.3f} ({n})" + (f"; not below {', '.join(worse)}" if worse else ""), ok))
     if "w3g128-rtn" in by:
         w3 = [(n, _gap_closed(by, n, "w3g128-rtn", fp)) for n in by if n.startswith("w3g128-") and n != "w3g128-rtn"]
@@ -196,11 +203,12 @@ def markdown(rows: list[dict], protocol: dict) -> str:
             f"{_loadavg(r)} |"
         )
     failed = [r for r in rows if "error" in r]
-    t = targets(rows)
     text = "\n".join(lines) + "\n"
-    if t:
-        text += "\n| target | measured | met |\n|---|---|---|\n"
-        text += "\n".join(f"| {a} | {b} | {'yes' if m else 'NOT met'} |" for a, b, m in t) + "\n"
+    for key, title in [("ppl", "")] + [(f"ppl_{t}", f" ({t}, the same models)") for t in extra]:
+        t = targets(rows, key)
+        if t:
+            text += f"\n| target{title} | measured | met |\n|---|---|---|\n"
+            text += "\n".join(f"| {a} | {b} | {'yes' if m else 'NOT met'} |" for a, b, m in t) + "\n"
     if failed:
         text += "\nFailed to run: " + ", ".join(f"{r['recipe']} ({r['error'].strip().splitlines()[-1][:120]})"
                                                for r in failed) + "\n"

@@ -74,7 +74,8 @@ def search_main(args: Any) -> int:
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.io.gguf import load_gguf
     from eqjax.models import Model
-    from eqjax.recipes import recipe_names
+    from eqjax.recipe import RecipeError
+    from eqjax.recipes import get_recipe
 
     def say(s: str) -> None:
         print(f"[search] {s}", flush=True)
@@ -88,9 +89,13 @@ def search_main(args: Any) -> int:
         return 2
     base = []
     for b in filter(None, str(args.baselines).split(",")):
-        if b not in known and b not in recipe_names():
-            print(f"error: bad --baselines entry {b!r}: expected {', '.join(known)} or a built-in recipe name",
-                  file=sys.stderr)
+        try:
+            ok = b in known or (not b.endswith((".toml", ".json")) and get_recipe(b) is not None)
+        except RecipeError:
+            ok = False
+        if not ok:
+            print(f"error: bad --baselines entry: expected {', '.join(known)} or a built-in recipe name "
+                  f"(optionally +emb-int8 / +emb-int4), found {b!r}", file=sys.stderr)
             return 2
         base.append((f"uniform {b}", known[b]) if b in known else (f"recipe {b}", b))
     out = pathlib.Path(args.out)

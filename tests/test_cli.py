@@ -171,3 +171,36 @@ def test_eval_real_model_w8(tmp_path):
     assert main(["eval", "--recipe", "w8", "--eval-tokens", "1024", "--json", str(out)]) == 0
     row = json.loads(pathlib.Path(out).read_text())
     assert row["eval_tokens"] == 1024 and 5 < row["ppl"] < 60
+
+
+def test_eval_also_on_news_matches_a_float64_oracle(tiny, tmp_path):
+    """--also-eval news: the same model measured on the first windows of the news text (float64 oracle)."""
+    import jax.numpy as jnp
+
+    from eqjax.data import news_tokens, token_windows
+    from eqjax.io import load_model
+
+    d, text = tiny
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "64",
+                 "--eval-tokens", "256", "--also-eval", "news", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["eval_tokens_news"] == 256 and row["protocol"]["also_eval"]["news"]["eval_tokens"] == 256
+    model, params, tok = load_model(str(d))
+    win = token_windows(news_tokens(tok, cache=False), 64, 4)
+    z = np.asarray(model.apply(params, jnp.asarray(win))[0], np.float64)[:, :-1]
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, win[:, 1:, None], -1).mean()
+    assert row["ppl_news"] == pytest.approx(float(np.exp(nll)), rel=1e-4)
+    assert row["ppl_news"] != pytest.approx(row["ppl"], rel=1e-3)  # a different text
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--embedding", "int5"], "bad --embedding 'int5'"),
+    (["--embedding", "int8", "--proxy", "hessian"], "embedding options need --proxy kl"),
+    (["--baselines", "w4g128a,w4g128-rtn+emb-int9"], "found 'w4g128-rtn+emb-int9'"),
+])
+def test_search_refuses_bad_flags_before_loading(argv, msg, capsys, tmp_path):
+    rc = main(["search", "--budget-bits", "4", "--out", str(tmp_path / "o"), *argv])
+    assert rc == 2 and msg in capsys.readouterr().err

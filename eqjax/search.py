@@ -7,12 +7,13 @@ Pipeline (:func:`search`):
 2. **Sensitivity proxy.** For each layer and each candidate (bits, group) the weight is quantized with
    RTN and scored by the Hessian-weighted error ``tr(dW^T H dW) = E ||x dW||^2``: the expected squared
    output error of that layer alone (the layer-wise objective GPTQ minimizes). That error says nothing
-   of how much the rest of the network amplifies it, so the default proxy ``kl`` (:func:`calibrate_kl`)
-   measures, once per layer, the KL of the logits with that layer alone quantized at 3 bits (one forward
-   pass per layer, not per candidate) and carries it to the layer's other candidates in proportion to
-   their Hessian error. Other proxies: ``hessian``, ``relative`` (Hessian error / output energy),
-   ``weight`` (plain ``||dW||^2``). :func:`validate_proxy` measures single-layer KL at other bit widths
-   on other windows and reports each proxy's rank correlation with it.
+   of how much the rest of the network amplifies it, so the default proxy ``kl``
+   (:func:`eqjax.sensitivity.calibrate_kl`) measures, once per layer, the KL of the logits with that layer
+   alone quantized at 3 bits (one forward pass per layer, not per candidate) and carries it to the layer's
+   other candidates in proportion to their Hessian error. Other proxies: ``hessian``, ``relative``
+   (Hessian error / output energy), ``weight`` (plain ``||dW||^2``).
+   :func:`eqjax.sensitivity.validate_proxy` measures single-layer KL at other bit widths on other windows
+   and reports each proxy's rank correlation with it.
 3. **Knapsack.** Minimize the summed proxy subject to the summed true storage bytes (packed codes +
    scales + zero points, exactly as :attr:`QArray.nbytes`) <= budget: a multiple-choice knapsack solved
    exactly by dynamic programming over the size axis in units of ``u`` bytes (sizes rounded *up*, the
@@ -61,9 +62,6 @@ __all__ = [
     "layer_table",
     "solve_mck",
     "search",
-    "validate_proxy",
-    "calibrate_kl",
-    "embedding_layer",
     "avg_bits",
     "choice_counts",
     "PROXIES",
@@ -348,14 +346,14 @@ def search(
       method: the recipe step that applies the rules (``"rtn"``, or a calibrated method registered in
         :data:`eqjax.recipe.STEP_TYPES` whose ``from_config`` takes ``rules``).
       proxy: ``"kl"`` (default: measured single-layer KL carried over the options by their Hessian error,
-        see :func:`calibrate_kl`), ``"relative"``, ``"hessian"`` or ``"weight"``.
+        see :func:`eqjax.sensitivity.calibrate_kl`), ``"relative"``, ``"hessian"`` or ``"weight"``.
       cells: DP resolution (size axis cells); the rounding slack is at most ``n_layers * unit`` bytes.
       pareto_bits: average-bit budgets at which the Pareto curve is sampled.
       hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
       kl_windows: token windows for the ``kl`` proxy's forward passes (default: the first two calibration
         windows); kl_ref_bits: the bit width it is measured at (each layer's smallest option of that width).
       embedding: embedding options (``"int8"``, ``"int4"``) searched beside float for the embedding table(s)
-        as one more knapsack item (``kl`` proxy only; :func:`embedding_layer`). ``budget_bits`` then means
+        as one more knapsack item (``kl`` proxy only; :func:`eqjax.sensitivity.embedding_layer`). ``budget_bits`` then means
         the bytes of linears at that average with the tables float, spent however the search finds best.
 
     Raises :class:`BudgetError` (with the minimum) when the budget is below the smallest model.
@@ -377,7 +375,9 @@ def search(
     if proxy == "kl":
         t1 = time.perf_counter()
         kw = calibration_windows[:2] if kl_windows is None else kl_windows
-        probe = _KLProbe(model, params, kw)
+        from eqjax.sensitivity import KLProbe, calibrate_kl, embedding_layer  # noqa: PLC0415 - imports search
+
+        probe = KLProbe(model, params, kw)
         layers = calibrate_kl(model, params, kw, layers, ref_bits=kl_ref_bits, progress=say, probe=probe)
         emb = embedding_layer(model, params, probe, tuple(embedding)) if embedding else None
         layers = layers + ([emb] if emb is not None else [])
@@ -481,129 +481,3 @@ def uniform_picks(layers: Sequence[Layer], candidate: Candidate) -> list[int]:
             raise ValueError(f"{L.path}: {candidate} is not among the searched options")
         out.append(idx[0])
     return out
-
-
-# ------------------------------------------------------------------------------------ proxy check
-def _spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    ra = np.argsort(np.argsort(np.asarray(a)))
-    rb = np.argsort(np.argsort(np.asarray(b)))
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-class _KLProbe:
-    """The float model's next-token log-probabilities on ``windows`` and the effect of one layer quantized alone."""
-
-    def __init__(self, model: Any, params: Any, windows: np.ndarray) -> None:
-        self.params = params
-        self.toks = jnp.asarray(windows, jnp.int32)
-        toks = self.toks
-        self.fwd = jax.jit(lambda p: jax.nn.log_softmax(model.apply(p, toks)[0][:, :-1].astype(jnp.float32), -1))
-        self.ref = self.fwd(params)
-        self.nll_ref = self._nll(self.ref)
-
-    def _nll(self, logp: jax.Array) -> float:
-        return float(-jnp.mean(jnp.take_along_axis(logp, self.toks[:, 1:, None], -1)))
-
-    def of(self, params: Any) -> tuple[float, float]:
-        """(mean KL(FP || ``params``) per prediction in nats, NLL change) of another param tree of the model."""
-        lq = self.fwd(params)
-        kl = float(jnp.mean(jnp.sum(jnp.exp(self.ref) * (self.ref - lq), -1)))
-        return kl, self._nll(lq) - self.nll_ref
-
-    def measure(self, path: str, spec: QuantSpec) -> tuple[float, float]:
-        """(mean KL(FP || quantized) per prediction in nats, NLL change) with only ``path`` fake-quantized."""
-        from eqjax.pytree import get_path, set_path  # noqa: PLC0415
-
-        w = jnp.asarray(get_path(self.params, path), jnp.float32)
-        return self.of(set_path(self.params, path, _fake_quant(w, spec)))
-
-
-def _smallest_option(L: Layer, bits: int) -> int | None:
-    opts = [j for j, c in enumerate(L.options) if c.bits == bits]
-    return min(opts, key=lambda j: L.nbytes[j]) if opts else None
-
-
-def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *, ref_bits: int = 3,
-                 progress: Callable[[str], None] | None = None, probe: _KLProbe | None = None) -> list[Layer]:
-    """``layers`` with a ``kl`` proxy added: the measured KL of the logits (nats per prediction) when a layer alone
-    is quantized at its smallest ``ref_bits`` option, carried to the layer's other options in proportion to
-    their Hessian error (``kl(c) = kl(ref) * hessian(c) / hessian(ref)``, a layer's second-order KL being
-    proportional to its output error). One forward pass per layer on ``windows``.
-
-    The measured factor carries what the Hessian error of a layer alone cannot: how much the rest of the
-    network amplifies or damps that layer's output error."""
-    probe = probe or _KLProbe(model, params, windows)
-    out = []
-    for n, L in enumerate(layers):
-        j = _smallest_option(L, ref_bits)
-        if j is None:
-            raise ValueError(f"{L.path}: no {ref_bits}-bit option to measure the kl proxy at")
-        kl, _ = probe.measure(L.path, L.options[j].spec(L.shape[0]))
-        h = L.errors["hessian"]
-        scale = max(kl, 0.0) / h[j] if h[j] > 0 else 0.0
-        out.append(dataclasses.replace(L, errors={**L.errors, "kl": tuple(scale * e for e in h)}))
-        if progress and (n + 1) % 10 == 0:
-            progress(f"kl proxy: {n + 1}/{len(layers)} layers measured")
-    return out
-
-
-def embedding_layer(model: Any, params: Any, probe: _KLProbe, kinds: Sequence[str] = ("int8", "int4")) -> Layer | None:
-    """The embedding table(s) (a tied LM head with them) as one searchable pseudo-layer: options ``float`` and
-    ``kinds`` (:func:`eqjax.recipes.embedding_rule_dict`), their stored bytes, and a ``kl`` error measured
-    directly (one forward pass per option). None when the model has no embedding table."""
-    from eqjax.errors import EqjaxError  # noqa: PLC0415
-    from eqjax.qarray import is_quantized  # noqa: PLC0415
-    from eqjax.recipe import quantize as run_recipe  # noqa: PLC0415
-    from eqjax.recipes import embedding_step  # noqa: PLC0415
-
-    flat = dict(flatten(params))
-    opts, sizes, kls, covers = [EmbeddingCandidate("float")], [], [0.0], None
-    for kind in kinds:
-        try:
-            qp = run_recipe(params, Recipe(f"emb-{kind}", (embedding_step(kind),)), model=model)
-        except EqjaxError:  # quantizes nothing: no embedding table
-            return None
-        qflat = dict(flatten(qp))
-        changed = tuple(sorted(k for k, v in qflat.items() if is_quantized(v) and not is_quantized(flat[k])))
-        if covers is None:
-            covers = changed
-            sizes.append(sum(int(flat[k].nbytes) for k in covers))
-        elif changed != covers:
-            raise ValueError(f"embedding options quantize different params: {covers} vs {changed}")
-        sizes.append(sum(int(qflat[k].nbytes) for k in covers))
-        kls.append(max(probe.of(qp)[0], 0.0))
-        opts.append(EmbeddingCandidate(kind))
-    if not covers:
-        return None
-    shape = tuple(int(d) for d in flat[covers[0]].shape)
-    return Layer(covers[0], shape, tuple(opts), tuple(sizes), {"kl": tuple(kls)}, covers)
-
-
-def validate_proxy(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *,
-                   n_layers: int = 12, bits: Sequence[int] = (2, 3), seed: int = 0,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure the real effect of quantizing one layer alone (mean KL(FP || quantized) of the next-token
-    distributions on ``windows``, and the NLL change) for a random subset of layers at each of ``bits``
-    (their smallest-group option), and the Spearman rank correlation of each proxy with it. Use windows
-    and bits other than those the ``kl`` proxy was measured at, or its correlation is not a check."""
-    layers = [L for L in layers if not L.is_embedding]
-    rng = np.random.default_rng(seed)
-    subset = sorted(rng.choice(len(layers), size=min(n_layers, len(layers)), replace=False).tolist())
-    probe = _KLProbe(model, params, windows)
-    rows = []
-    for n, i in enumerate(subset):
-        L = layers[i]
-        for b in bits:
-            j = _smallest_option(L, b)
-            if j is None:
-                continue
-            kl, dnll = probe.measure(L.path, L.options[j].spec(L.shape[0]))
-            rows.append({"layer": L.path, "option": L.options[j].label(L.shape[0]), "kl": kl,
-                         "dnll": dnll, **{f"proxy_{k}": v[j] for k, v in L.errors.items()}})
-        if progress:
-            progress(f"proxy check: {n + 1}/{len(subset)} layers")
-    kls = [r["kl"] for r in rows]
-    names = sorted({k for L in layers for k in L.errors})
-    corr = {k: _spearman([r[f"proxy_{k}"] for r in rows], kls) for k in names}
-    return {"n_measurements": len(rows), "windows": list(np.asarray(windows).shape), "bits": list(bits),
-            "spearman_vs_kl": corr, "rows": rows}

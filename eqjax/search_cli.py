@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from eqjax.pareto import evaluate_pareto, plot_pareto
-from eqjax.search import PROXIES, BudgetError, Candidate, _make_recipe, search, validate_proxy
+from eqjax.search import PROXIES, BudgetError, Candidate, _make_recipe, search
+from eqjax.sensitivity import validate_proxy
 
 __all__ = ["add_search_args", "search_main", "pareto_markdown"]
 

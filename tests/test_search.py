@@ -168,40 +168,6 @@ def _kl64(model, params, qparams, toks):
     return float(np.mean(np.sum(np.exp(a) * (a - b), -1)))
 
 
-def test_kl_proxy_is_the_measured_kl_carried_by_the_hessian_error(tiny):
-    from eqjax.numerics import fake_quantize
-    from eqjax.pytree import get_path, set_path
-    from eqjax.search import calibrate_kl, layer_table
-
-    model, params, cal, H = tiny
-    layers = calibrate_kl(model, params, cal, layer_table(params, H, CANDS), ref_bits=3)
-    for L in layers[:4]:
-        j = next(i for i, c in enumerate(L.options) if c.bits == 3)
-        w = get_path(params, L.path)
-        want = _kl64(model, params, set_path(params, L.path, fake_quantize(w, L.options[j].spec(L.shape[0]))), cal)
-        assert L.errors["kl"][j] == pytest.approx(want, rel=2e-3, abs=1e-7)
-        ratio = np.asarray(L.errors["kl"]) / np.asarray(L.errors["hessian"])
-        np.testing.assert_allclose(ratio, ratio[j], rtol=1e-6)
-
-
-def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
-    """v_proj / 16 and o_proj * 16 is the same function (attention is linear in the values): the measured
-    sensitivity of v_proj is unchanged, its Hessian error drops 256x. The kl proxy must not move."""
-    from eqjax.search import calibrate_kl, layer_table
-
-    model, params, cal, _ = tiny
-    attn = params["layers_0"]["attn"]
-    scaled = {**params, "layers_0": {**params["layers_0"], "attn": {
-        **attn, "v_proj": {"kernel": attn["v_proj"]["kernel"] / 16}, "o_proj": {"kernel": attn["o_proj"]["kernel"] * 16}}}}
-    out = []
-    for p in (params, scaled):
-        h = collect_hessians(model, p, cal)
-        out.append({L.path: L for L in calibrate_kl(model, p, cal, layer_table(p, h, CANDS))})
-    a, b = (o["layers_0/attn/v_proj/kernel"] for o in out)
-    np.testing.assert_allclose(b.errors["hessian"], np.asarray(a.errors["hessian"]) / 256, rtol=1e-3)
-    np.testing.assert_allclose(b.errors["kl"], a.errors["kl"], rtol=1e-3, atol=1e-9)
-
-
 def test_embedding_is_one_more_knapsack_item(tiny):
     """Embedding options: bytes as the +emb recipes store them, KL measured directly (float64 oracle), the
     searched recipe puts the table in its own RTN step and round-trips through a recipe file."""

@@ -1,0 +1,44 @@
+"""Measured sensitivity (the search's kl proxy): the measured KL against a float64 oracle, invariance under a
+rescaling that leaves the function unchanged."""
+
+import numpy as np
+import pytest
+from test_search import CANDS, _kl64, tiny  # noqa: F401 - the module fixture
+
+from eqjax.search import collect_hessians
+
+
+def test_kl_proxy_is_the_measured_kl_carried_by_the_hessian_error(tiny):
+    from eqjax.numerics import fake_quantize
+    from eqjax.pytree import get_path, set_path
+    from eqjax.search import layer_table
+    from eqjax.sensitivity import calibrate_kl
+
+    model, params, cal, H = tiny
+    layers = calibrate_kl(model, params, cal, layer_table(params, H, CANDS), ref_bits=3)
+    for L in layers[:4]:
+        j = next(i for i, c in enumerate(L.options) if c.bits == 3)
+        w = get_path(params, L.path)
+        want = _kl64(model, params, set_path(params, L.path, fake_quantize(w, L.options[j].spec(L.shape[0]))), cal)
+        assert L.errors["kl"][j] == pytest.approx(want, rel=2e-3, abs=1e-7)
+        ratio = np.asarray(L.errors["kl"]) / np.asarray(L.errors["hessian"])
+        np.testing.assert_allclose(ratio, ratio[j], rtol=1e-6)
+
+
+def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
+    """v_proj / 16 and o_proj * 16 is the same function (attention is linear in the values): the measured
+    sensitivity of v_proj is unchanged, its Hessian error drops 256x. The kl proxy must not move."""
+    from eqjax.search import layer_table
+    from eqjax.sensitivity import calibrate_kl
+
+    model, params, cal, _ = tiny
+    attn = params["layers_0"]["attn"]
+    scaled = {**params, "layers_0": {**params["layers_0"], "attn": {
+        **attn, "v_proj": {"kernel": attn["v_proj"]["kernel"] / 16}, "o_proj": {"kernel": attn["o_proj"]["kernel"] * 16}}}}
+    out = []
+    for p in (params, scaled):
+        h = collect_hessians(model, p, cal)
+        out.append({L.path: L for L in calibrate_kl(model, p, cal, layer_table(p, h, CANDS))})
+    a, b = (o["layers_0/attn/v_proj/kernel"] for o in out)
+    np.testing.assert_allclose(b.errors["hessian"], np.asarray(a.errors["hessian"]) / 256, rtol=1e-3)
+    np.testing.assert_allclose(b.errors["kl"], a.errors["kl"], rtol=1e-3, atol=1e-9)

@@ -23,7 +23,8 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
-from eqjax.data import DataError, calibration_windows, load_text_file, token_windows, wikipedia_tokens, encode_cached
+from eqjax.data import (DataError, calibration_windows, encode_cached, load_text_file, news_tokens, token_windows,
+                        wikipedia_tokens)
 from eqjax.errors import CompatibilityError, InputError
 from eqjax.evaluate import check_token_ids, model_size_bytes, peak_rss_mb, perplexity
 from eqjax.linear import ActQuantKernel
@@ -58,8 +59,8 @@ class Setup:
     """Further evaluation texts by name (``--also-eval news``): int32 [windows, ctx] each."""
 
 
-EXTRA_TEXTS = {"news": "news (gensim lee_background.cor, 300 Australian news articles), whole text"}
-"""Second evaluation texts ``--also-eval`` accepts (measured with the same windows; calibration unchanged)."""
+EXTRA_TEXTS = {"news": ("news (gensim lee_background.cor, 300 Australian news articles), whole text", news_tokens)}
+"""Second evaluation texts ``--also-eval`` accepts: name -> (description, tokens function) (measured with the same windows; calibration unchanged)."""
 
 
 def check_protocol_args(*, ctx: int, eval_tokens: int, calib_windows: int = 0, calib_ctx: int = 2,
@@ -186,14 +187,12 @@ def prepare(
         "calib_text_tokens": int(len(calib_ids)),
     }
     if extra:
-        protocol["also_eval"] = {n: {"text": EXTRA_TEXTS[n], "eval_tokens": int(w.size)} for n, w in extra.items()}
+        protocol["also_eval"] = {n: {"text": EXTRA_TEXTS[n][0], "eval_tokens": int(w.size)} for n, w in extra.items()}
     return Setup(model, params, tok, ev, cal, protocol, extra)
 
 
 def _extra_windows(name: str, tok: Any, tok_src: str, model: Any, ctx: int, n_eval: int, eval_tokens: int) -> np.ndarray:
-    from eqjax.data import news_tokens  # noqa: PLC0415
-
-    ids = news_tokens(tok)
+    ids = EXTRA_TEXTS[name][1](tok)
     check_token_ids(model, ids, f"tokens of the {name} text", tok_src)
     try:
         return token_windows(ids, ctx, n_eval)

@@ -294,11 +294,23 @@ class SearchResult:
         return self._within(searched_bytes)
 
 
+METHODS: dict[str, dict[str, Any]] = {
+    "rtn": {"method": "rtn"},
+    "gptq": {"method": "gptq"},
+    "gptq-search": {"method": "gptq", "grid": "search"},
+}
+"""How a searched mix is applied: name -> the recipe step (without its rules). ``rtn``: round to nearest;
+``gptq``: GPTQ with each layer's own format, one pass (act-order, the built-in recipes' settings);
+``gptq-search``: the same on searched grids (as ``w4g128-gptq-search``)."""
+
+
 def _recipe_dict(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
-    """One ``method`` step for the matmul rules, then one ``rtn`` step for embedding rules (if any)."""
+    """One ``method`` step (:data:`METHODS`, or a step name) for the matmul rules, then one ``rtn`` step for
+    embedding rules (if any)."""
     mats = [dict(r) for r in rule_dicts if r is not None and r.get("role") != "embedding"]
     embs = [dict(r) for r in rule_dicts if r is not None and r.get("role") == "embedding"]
-    steps = [{"method": method, "rules": mats}] + ([{"method": "rtn", "rules": embs}] if embs else [])
+    step = dict(METHODS.get(method, {"method": method}))
+    steps = [{**step, "rules": mats}] + ([{"method": "rtn", "rules": embs}] if embs else [])
     return {"name": name, "description": description, "steps": steps}
 
 
@@ -343,8 +355,8 @@ def search(
       budget_bits: average stored bits per searched weight (metadata included), or
       budget_bytes: total stored bytes of the whole quantized param tree. Exactly one is required.
       candidates: options per layer (groups adjusted per layer, see the module docs).
-      method: the recipe step that applies the rules (``"rtn"``, or a calibrated method registered in
-        :data:`eqjax.recipe.STEP_TYPES` whose ``from_config`` takes ``rules``).
+      method: how the rules are applied: a :data:`METHODS` name (``"rtn"``, ``"gptq"``, ``"gptq-search"``)
+        or a step registered in :data:`eqjax.recipe.STEP_TYPES` whose ``from_config`` takes ``rules``.
       proxy: ``"kl"`` (default: measured single-layer KL carried over the options by their Hessian error,
         see :func:`eqjax.sensitivity.calibrate_kl`), ``"relative"``, ``"hessian"`` or ``"weight"``.
       cells: DP resolution (size axis cells); the rounding slack is at most ``n_layers * unit`` bytes.

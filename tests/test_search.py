@@ -118,6 +118,27 @@ def test_search_recipe_valid_and_within_budget(tiny, budget_bits):
     assert all(a >= b - 1e-9 for a, b in zip(errs, errs[1:]))
 
 
+@pytest.mark.parametrize("method", ["gptq", "gptq-search"])
+def test_search_mix_applied_by_gptq(tiny, method):
+    """The searched formats applied by GPTQ (one pass, each layer in its own format): the same bytes as the
+    RTN-applied mix, each kernel with the format the search chose, and a recipe file that reads back."""
+    from eqjax.methods.gptq import GPTQ
+
+    model, params, cal, H = tiny
+    res = search(model, params, cal, budget_bits=3.5, candidates=CANDS, hessians=H, pareto_bits=(), method=method)
+    step = res.recipe.steps[0]
+    assert isinstance(step, GPTQ) and step.grid == ("search" if method == "gptq-search" else "minmax")
+    qp = quantize(params, res.recipe, model=model, calibration=cal)
+    assert tree_nbytes(qp) == res.total_bytes
+    from eqjax.pytree import flatten
+
+    leaves = dict(flatten(qp))
+    for L in res.layers:
+        assert L.options[[c.label(L.shape[0]) for c in L.options].index(res.choices[L.path])].bits == leaves[L.path].bits
+    again = recipe_from_dict(json.loads(json.dumps(res.recipe_dict())))
+    assert again.steps[0] == step
+
+
 def test_search_beats_uniform_at_equal_size_on_the_proxy(tiny):
     model, params, cal, H = tiny
     res = search(model, params, cal, budget_bits=4.5, candidates=CANDS, hessians=H, proxy="hessian")

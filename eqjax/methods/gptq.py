@@ -49,7 +49,7 @@ from eqjax.methods.grid import grids_to_param, group_ids, place_grid, search_gri
 from eqjax.methods.rtn import concrete_spec
 from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
 from eqjax.qarray import QArray, QArrayError, per_channel, per_group
-from eqjax.rules import Rule
+from eqjax.rules import Rule, assign
 from eqjax.statistics import xtx
 
 __all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_size_for", "hessian_cholesky"]
@@ -351,6 +351,13 @@ class GPTQ:
     weight 1, 19.22 with 32; GPTQ on the attention projections only, first token excluded 27.08, weight
     1 21.76, RTN 20.64. Down-weighting (0.01) is worse still on the whole model (29.9). The weight is a
     measured choice, not derived (the same for every projection, though only keys/values need it).
+
+    ``rules`` (optional): per-layer formats, e.g. a mixed-precision search's solution. Each still-float
+    matmul weight takes the weight spec of its first matching rule (its bits, symmetry, group or
+    per-channel layout, scale dtype, full range) instead of ``bits`` / ``group_size`` / ``symmetric`` /
+    ``scale_dtype`` / ``full_range``; ``pattern`` still limits the step. Rules are weight-only (no
+    ``act_bits``); a rule without a weight (``skip``) keeps its matches in float. Every layer is quantized
+    in the same block-by-block pass, so a mix costs one GPTQ run.
     """
 
     bits: int = 4
@@ -372,6 +379,7 @@ class GPTQ:
     grid_n: int = 64
     grid_min_ratio: float = 0.5
     grid_refine: int = 4
+    rules: tuple[Rule, ...] = ()
     name: str = "gptq"
     needs_calibration = True
 
@@ -388,6 +396,13 @@ class GPTQ:
         if self.grid_weighting not in ("hessian", "diagonal", "none"):
             raise ValueError(f"gptq: grid_weighting must be 'hessian', 'diagonal' or 'none', got {self.grid_weighting!r}")
         Rule(self.pattern, role=self.role)  # validates the pattern and role
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise ValueError(f"gptq: rules must be Rule objects, got {type(r).__name__}")
+            if r.act_bits is not None:
+                raise ValueError(f"gptq: rule {r.pattern!r} quantizes activations; GPTQ rules are weight-only")
+            if r.weight is not None and not 2 <= r.weight.bits <= 8:
+                raise ValueError(f"gptq: rule {r.pattern!r} has {r.weight.bits} bits; GPTQ takes 2..8")
 
     def spec(self) -> QuantSpec:
         """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
@@ -399,10 +414,24 @@ class GPTQ:
         return dict(weighting=self.grid_weighting, n_grid=self.grid_n, min_ratio=self.grid_min_ratio,
                     refine=self.grid_refine)
 
-    def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+    def targets(self, params: Mapping[str, Any], ctx: Any) -> tuple[Any, dict[str, QuantSpec]]:
+        """The calibrator and ``{path: stored format}`` of the still-float matmul weights this step
+        quantizes (``spec()`` for all, or each one's first matching rule); InputError if none."""
         from eqjax.methods.rtn import step_targets  # noqa: PLC0415
 
-        cal, targets = step_targets(self, params, ctx)
+        cal, paths = step_targets(self, params, ctx)
+        if not self.rules:
+            return cal, {p: self.spec() for p in paths}
+        chosen, _ = assign({p: params[p] for p in paths}, self.rules, cal.analysis.roles)
+        specs = {p: r.weight for p, r in chosen.items() if r.weight is not None}
+        if not specs:
+            raise InputError(f"{self.name}: no rule with a weight format matches a float matmul weight "
+                             f"(rules: {', '.join(repr(r.pattern) for r in self.rules)})")
+        return cal, specs
+
+    def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
+        cal, specs = self.targets(params, ctx)
+        targets = set(specs)
         an = cal.analysis
         grids: dict[str, list] = {}
 
@@ -417,27 +446,29 @@ class GPTQ:
                                       sink_weight=self.sink_weight)
                 for u in group:
                     p[u.path] = self._one(p[u.path], u, 2.0 * np.asarray(stats[u.path]["xtx"], np.float64),
-                                          an, grids, bc.mesh)
+                                          an, grids, bc.mesh, specs[u.path])
             return p
 
         out = cal.run_blocks(params, per_block, advance="new", progress=ctx.progress, desc=self.name)
         for path, parts in grids.items():
             gran, scale, zp = parts
-            out[path] = _quantize_with(jnp.asarray(out[path], jnp.float32), scale, zp, bits=self.bits,
-                                       granularity=gran)
+            bits, sym = specs[path].bits, specs[path].symmetric
+            out[path] = _quantize_with(jnp.asarray(out[path], jnp.float32), scale, zp, bits=bits, granularity=gran)
             out[path] = dataclasses.replace(out[path], dtype=jnp.dtype(params[path].dtype))
-            ctx.report.append((path, f"{self.name}: int{self.bits} {'sym' if self.symmetric else 'asym'} {gran}"))
+            ctx.report.append((path, f"{self.name}: int{bits} {'sym' if sym else 'asym'} {gran}"))
         return out
 
-    def _one(self, w: Any, u: WeightUse, h: np.ndarray, an: Any, grids: dict, mesh: Any = None) -> Any:
+    def _one(self, w: Any, u: WeightUse, h: np.ndarray, an: Any, grids: dict, mesh: Any, spec: QuantSpec) -> Any:
         if u.batch:
             raise InputError(f"{self.name}: {u.path} is used with batch axes; GPTQ needs a plain matmul weight")
-        spec = concrete_spec(self.spec(), an, u.path, u.shape)
+        spec = concrete_spec(spec, an, u.path, u.shape)
         gran = spec.granularity
+        if gran.kind == "tensor":
+            raise InputError(f"{self.name}: {u.path}: GPTQ needs per-channel or group scales, not per-tensor")
         dims = tuple(u.shape[a] for a in u.contracting)
         gid, ng = group_ids(dims, gran.group_size if gran.kind == "group" else None)
         Q2, scale, zp = gptq_matrix(
-            weight_matrix(w, u), h, gid, ng, bits=self.bits, symmetric=self.symmetric, act_order=self.act_order,
+            weight_matrix(w, u), h, gid, ng, bits=spec.bits, symmetric=spec.symmetric, act_order=self.act_order,
             static_groups=self.static_groups, percdamp=self.percdamp, blocksize=self.blocksize,
             scale_dtype=spec.scale_dtype, full_range=spec.full_range, grid=self.grid, grid_kwargs=self.grid_kwargs(),
             name=u.path, mesh=mesh,
@@ -451,5 +482,11 @@ class GPTQ:
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "GPTQ":
         from eqjax.recipe import step_kwargs  # noqa: PLC0415
+        from eqjax.rules import rule_from_dict  # noqa: PLC0415
 
-        return cls(**step_kwargs(cls, d, "gptq", exclude=()))
+        d = dict(d)
+        rules = d.pop("rules", None)
+        if rules is not None and not isinstance(rules, list):
+            raise ValueError("a 'gptq' step's 'rules' must be a list of rule tables")
+        rules = tuple(rule_from_dict(r) for r in rules or ())
+        return cls(**step_kwargs(cls, d, "gptq", exclude=("rules",)), rules=rules)

@@ -158,6 +158,79 @@ def test_step_on_tiny_llama_quantizes_every_linear():
         run_recipe(params, r, model=model)
 
 
+def _tiny_llama(n_layers=2):
+    from eqjax.models import LlamaConfig, Model
+
+    model = Model(LlamaConfig(vocab=64, hidden=48, intermediate=96, n_layers=n_layers, n_heads=4, n_kv_heads=2))
+    params = model.init_params(jax.random.key(0))
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (4, 12), 0, 64), np.int32)
+    return model, params, toks
+
+
+def _leaves(tree):
+    from eqjax.pytree import flatten
+
+    return dict(flatten(tree))
+
+
+def test_rules_uniform_equal_the_step_settings():
+    """One rule with the step's own format gives bitwise the same result as the step's settings."""
+    from eqjax.methods.rtn import weight_step_spec
+
+    model, params, toks = _tiny_llama()
+    a = run_recipe(params, Recipe("a", (GPTQ(bits=3, group_size=32),)), model=model, calibration=toks)
+    rule = Rule(".*", weight_step_spec(3, False, 32))
+    b = run_recipe(params, Recipe("b", (GPTQ(rules=(rule,)),)), model=model, calibration=toks)
+    la, lb = _leaves(a), _leaves(b)
+    assert la.keys() == lb.keys()
+    for path in la:
+        np.testing.assert_array_equal(np.asarray(dequantize(la[path]) if hasattr(la[path], "bits") else la[path]),
+                                      np.asarray(dequantize(lb[path]) if hasattr(lb[path], "bits") else lb[path]))
+
+
+def test_rules_give_each_layer_its_own_format():
+    """A mix: block 0 at 8 bits per channel (symmetric), the rest 3-bit groups of 32, v_proj kept float.
+    Block 0 sees the same inputs as in a uniform 8-bit run, so its layers equal that run's; block 1's
+    layers are 3-bit and differ from a uniform 3-bit run's only through block 0's (better) outputs."""
+    from eqjax.methods.rtn import weight_step_spec
+    from eqjax.recipe import recipe_from_dict
+
+    model, params, toks = _tiny_llama()
+    w8, w3 = weight_step_spec(8, True, None), weight_step_spec(3, False, 32)
+    rules = (Rule(r".*/v_proj/.*"), Rule(r"layers_0/.*", w8), Rule(".*", w3))
+    mix = _leaves(run_recipe(params, Recipe("m", (GPTQ(rules=rules),)), model=model, calibration=toks))
+    uni8 = _leaves(run_recipe(params, Recipe("u", (GPTQ(rules=(Rule(r".*/v_proj/.*"), Rule(".*", w8))),)),
+                              model=model, calibration=toks))
+    for path, leaf in mix.items():
+        if "/v_proj/" in path or "kernel" not in path or "embed" in path:
+            assert not hasattr(leaf, "bits"), path
+        elif path.startswith("layers_0/"):
+            assert leaf.bits == 8 and leaf.symmetric and leaf.granularity.kind == "channel", path
+            np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(dequantize(uni8[path])))
+        else:
+            assert leaf.bits == 3 and not leaf.symmetric and leaf.granularity == per_group(0, 32), path
+    # the same mix from a recipe file (the search's rules.json form)
+    d = {"name": "m", "description": "", "steps": [{"method": "gptq", "rules": [
+        {"pattern": r".*/v_proj/.*", "skip": True},
+        {"pattern": r"layers_0/.*", "bits": 8, "symmetric": True, "granularity": "channel", "scale_dtype": "float32"},
+        {"pattern": ".*", "bits": 3, "symmetric": False, "granularity": "group", "axis": 0, "group_size": 32,
+         "scale_dtype": "float16"}]}]}
+    mix2 = _leaves(run_recipe(params, recipe_from_dict(d), model=model, calibration=toks))
+    for path, leaf in mix.items():
+        if hasattr(leaf, "bits"):
+            np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(dequantize(mix2[path])))
+
+
+def test_rules_are_weight_only_and_must_match():
+    with pytest.raises(ValueError, match="weight-only"):
+        GPTQ(rules=(Rule(".*", QuantSpec(8, True, per_channel(1)), act_bits=8),))
+    model, params, toks = _tiny_llama(1)
+    from eqjax.errors import InputError
+
+    with pytest.raises(InputError, match="no rule with a weight format"):
+        run_recipe(params, Recipe("n", (GPTQ(rules=(Rule(".*"),)),)), model=model, calibration=toks)
+
+
 @pytest.mark.parametrize("name", ["nnx", "hf-gpt2"])
 def test_step_on_nd_and_transposed_weights(name):
     """GPTQ on 4-D fused einsum kernels (weight as lhs) and GPT-2's [out, in] Conv1D: the stored

@@ -358,7 +358,8 @@ def search(
       method: how the rules are applied: a :data:`METHODS` name (``"rtn"``, ``"gptq"``, ``"gptq-search"``)
         or a step registered in :data:`eqjax.recipe.STEP_TYPES` whose ``from_config`` takes ``rules``.
       proxy: ``"kl"`` (default: measured single-layer KL carried over the options by their Hessian error,
-        see :func:`eqjax.sensitivity.calibrate_kl`), ``"relative"``, ``"hessian"`` or ``"weight"``.
+        see :func:`eqjax.sensitivity.calibrate_kl`; with a GPTQ ``method``, each option's error is GPTQ's,
+        :func:`eqjax.sensitivity.method_errors`), ``"relative"``, ``"hessian"`` or ``"weight"``.
       cells: DP resolution (size axis cells); the rounding slack is at most ``n_layers * unit`` bytes.
       pareto_bits: average-bit budgets at which the Pareto curve is sampled.
       hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
@@ -382,6 +383,13 @@ def search(
         hessians = collect_hessians(model, params, calibration_windows, progress=say)
     say(f"statistics of {len(hessians)} linear layers ({time.perf_counter() - t0:.1f}s)")
     layers = layer_table(params, hessians, candidates, progress=say)
+    step = _make_recipe("probe", "", method, [candidates[0].rule_dict(".*", 128)]).steps[0]
+    if proxy == "kl" and getattr(step, "name", "") == "gptq":
+        from eqjax.sensitivity import method_errors  # noqa: PLC0415 - imports search
+
+        t1 = time.perf_counter()
+        layers = method_errors(params, hessians, layers, step, progress=say)
+        say(f"{method} errors of every option ({time.perf_counter() - t1:.1f}s)")
     if embedding and proxy != "kl":
         raise ValueError("embedding options are searched with the kl proxy only")
     if proxy == "kl":

@@ -4,6 +4,8 @@ quantizing one layer (or the embedding table) alone.
 * :func:`calibrate_kl`: the ``kl`` proxy: per layer, the mean KL(FP || quantized) of the next-token
   distributions (nats per prediction) with that layer alone at a reference bit width, carried to the
   layer's other candidates in proportion to their Hessian error.
+* :func:`method_errors`: each option's Hessian error under the method that will apply the mix (GPTQ
+  compensates much of a layer's rounding error, RTN none), so the ``kl`` proxy ranks the options as applied.
 * :func:`embedding_layer`: the embedding table(s) as one knapsack item, each option's KL measured.
 * :func:`validate_proxy`: the rank correlation of every proxy with measured single-layer KL.
 """
@@ -20,9 +22,9 @@ import numpy as np
 from eqjax.numerics import QuantSpec
 from eqjax.pytree import flatten
 from eqjax.recipe import Recipe
-from eqjax.search import EmbeddingCandidate, Layer, _fake_quant
+from eqjax.search import EmbeddingCandidate, Layer, _errors, _fake_quant
 
-__all__ = ["calibrate_kl", "embedding_layer", "validate_proxy", "KLProbe"]
+__all__ = ["calibrate_kl", "embedding_layer", "method_errors", "validate_proxy", "KLProbe"]
 
 
 def _spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -80,11 +82,44 @@ def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[
         if j is None:
             raise ValueError(f"{L.path}: no {ref_bits}-bit option to measure the kl proxy at")
         kl, _ = probe.measure(L.path, L.options[j].spec(L.shape[0]))
-        h = L.errors["hessian"]
-        scale = max(kl, 0.0) / h[j] if h[j] > 0 else 0.0
+        h = L.errors["hessian"]  # the applying method's (method_errors), measured with RTN at the reference
+        ref = L.errors.get("hessian_rtn", h)[j]
+        scale = max(kl, 0.0) / ref if ref > 0 else 0.0
         out.append(dataclasses.replace(L, errors={**L.errors, "kl": tuple(scale * e for e in h)}))
         if progress and (n + 1) % 10 == 0:
             progress(f"kl proxy: {n + 1}/{len(layers)} layers measured")
+    return out
+
+
+def method_errors(params: Any, hessians: Any, layers: Sequence[Layer], step: Any, *,
+                  progress: Callable[[str], None] | None = None) -> list[Layer]:
+    """``layers`` with each option's ``hessian`` error (``tr(dW^T H dW)``) recomputed for the result of the
+    GPTQ ``step`` (:class:`eqjax.methods.gptq.GPTQ`: its act-order, damping, block size and grid) given the
+    layer's ``H``; RTN's is kept as ``hessian_rtn``. One GPTQ sweep per layer and option."""
+    from eqjax.methods.gptq import gptq_matrix  # noqa: PLC0415
+    from eqjax.methods.grid import group_ids  # noqa: PLC0415
+    from eqjax.pytree import get_path  # noqa: PLC0415
+
+    out = []
+    for n, L in enumerate(layers):
+        if L.is_embedding:
+            out.append(L)
+            continue
+        w = np.asarray(get_path(params, L.path), np.float32)
+        h = np.asarray(hessians[L.path], np.float64)
+        errs = []
+        for c in L.options:
+            spec = c.spec(L.shape[0])
+            g = spec.granularity
+            gid, ng = group_ids((L.shape[0],), g.group_size if g.kind == "group" else None)
+            q, _, _ = gptq_matrix(w, h, gid, ng, bits=spec.bits, symmetric=spec.symmetric, act_order=step.act_order,
+                                  static_groups=step.static_groups, percdamp=step.percdamp, blocksize=step.blocksize,
+                                  scale_dtype=spec.scale_dtype, full_range=spec.full_range, grid=step.grid,
+                                  grid_kwargs=step.grid_kwargs(), name=L.path)
+            errs.append(float(_errors(jnp.asarray(w), jnp.asarray(q, jnp.float32), jnp.asarray(h, jnp.float32))[0]))
+        out.append(dataclasses.replace(L, errors={**L.errors, "hessian": tuple(errs), "hessian_rtn": L.errors["hessian"]}))
+        if progress and (n + 1) % 10 == 0:
+            progress(f"{step.name} errors: {n + 1}/{len(layers)} layers")
     return out
 
 

@@ -42,3 +42,37 @@ def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
     a, b = (o["layers_0/attn/v_proj/kernel"] for o in out)
     np.testing.assert_allclose(b.errors["hessian"], np.asarray(a.errors["hessian"]) / 256, rtol=1e-3)
     np.testing.assert_allclose(b.errors["kl"], a.errors["kl"], rtol=1e-3, atol=1e-9)
+
+
+def test_method_errors_are_gptqs_and_carry_the_measured_kl(tiny):
+    """With GPTQ applying the mix, each option's error is the Hessian error of GPTQ's result (checked in
+    float64 against :func:`gptq_quantize` of that layer), below RTN's in total, and the kl proxy carries the
+    measured RTN KL of the reference option by GPTQ's error over RTN's."""
+    from eqjax.methods.gptq import GPTQ, gptq_quantize
+    from eqjax.numerics import dequantize
+    from eqjax.pytree import get_path
+    from eqjax.search import layer_table
+    from eqjax.sensitivity import calibrate_kl, method_errors
+
+    model, params, cal, H = tiny
+    rtn = layer_table(params, H, CANDS)
+    step = GPTQ()
+    got = method_errors(params, H, rtn, step)
+    for L in got[:3]:
+        w = np.asarray(get_path(params, L.path), np.float64)
+        h = np.asarray(H[L.path], np.float64)
+        for j, c in enumerate(L.options):
+            spec = c.spec(L.shape[0])
+            q = gptq_quantize(w, h, group_size=spec.granularity.group_size if spec.granularity.kind == "group" else None,
+                              bits=spec.bits, symmetric=spec.symmetric, scale_dtype=spec.scale_dtype,
+                              full_range=spec.full_range)
+            d = np.asarray(dequantize(q), np.float64) - w
+            assert L.errors["hessian"][j] == pytest.approx(float(np.sum(d * (h @ d))), rel=1e-3)
+    assert sum(sum(L.errors["hessian"]) for L in got) < 0.9 * sum(sum(L.errors["hessian"]) for L in rtn)
+    kl_rtn = calibrate_kl(model, params, cal, rtn, ref_bits=3)
+    kl_gptq = calibrate_kl(model, params, cal, got, ref_bits=3)
+    for a, b in zip(kl_rtn[:4], kl_gptq[:4]):
+        j = next(i for i, c in enumerate(a.options) if c.bits == 3)
+        measured = a.errors["kl"][j]
+        np.testing.assert_allclose(b.errors["kl"], measured * np.asarray(b.errors["hessian"]) / a.errors["hessian"][j],
+                                   rtol=1e-5, atol=1e-12)

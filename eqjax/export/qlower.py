@@ -38,6 +38,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import onnx
 
 from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 from eqjax.numerics import codes, expand_scale, integer_values
@@ -252,20 +253,17 @@ def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str) -> tu
             qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
                       to=2, hint=hint + ".qx")  # 2 = UINT8
             return qx, s
-        # a dynamic scale keeps |x / s| <= qmax, so QuantizeLinear (rounded half to even, + 128) gives the
-        # codes of Round(Div) + Clip + Cast. The scale is max(amax / qmax, the smallest normal float32):
-        # eqjax's for every row with amax > 1.5e-36; an all-zero row (eqjax's scale 1) gets codes 128 and
-        # a zero output either way (a normal floor, not a subnormal one, in case denormals are flushed).
-        # Per token, x / s is one broadcast Div and the QuantizeLinear's scale is 1: fewer, cheaper nodes
-        # than a blocked QuantizeLinear, whose per-row zero points would need Shape + ConstantOfShape.
+        # a dynamic scale keeps |x / s| <= qmax, so one QuantizeLinear (x / s rounded half to even, + 128;
+        # per token: blocked along the last axis, one block of K) gives the codes of Round(Div) + Clip + Cast
         token = k.act_granularity == "token"
         amax = g.op("ReduceMax", [g.op("Abs", [x])] + ([g.const([-1], np.int64)] if token else []), keepdims=int(token))
-        tiny = float(np.finfo(np.float32).tiny)
-        s = g.op("Max", [g.op("Div", [amax, g.const(qmax)]), g.const(tiny)], hint=hint + ".sx")  # [..., 1] or []
-        zp = g.const(W8A8_ZERO_POINT, np.uint8)
+        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
+                 hint=hint + ".sx")  # [..., 1] or []
         if not token:
-            return g.op("QuantizeLinear", [x, s, zp], hint=hint + ".qx"), s
-        return g.op("QuantizeLinear", [g.op("Div", [x, s]), g.const(1.0), zp], hint=hint + ".qx"), s
+            return g.op("QuantizeLinear", [x, s, g.const(W8A8_ZERO_POINT, np.uint8)], hint=hint + ".qx"), s
+        zx = g.op("ConstantOfShape", [g.op("Shape", [s])], value=onnx.helper.make_tensor(
+            "zp", onnx.TensorProto.UINT8, [1], [W8A8_ZERO_POINT]))
+        return g.op("QuantizeLinear", [x, s, zx], axis=-1, block_size=K, hint=hint + ".qx"), s
 
     key = ("act-q", x, K, k.act_bits, k.act_granularity, None if static is None else static.tobytes())
     return g.memo(key, make)

@@ -401,8 +401,15 @@ class GPTQ:
                 raise ValueError(f"gptq: rules must be Rule objects, got {type(r).__name__}")
             if r.act_bits is not None:
                 raise ValueError(f"gptq: rule {r.pattern!r} quantizes activations; GPTQ rules are weight-only")
-            if r.weight is not None and not 2 <= r.weight.bits <= 8:
+            if r.weight is None:
+                continue
+            if not 2 <= r.weight.bits <= 8:
                 raise ValueError(f"gptq: rule {r.pattern!r} has {r.weight.bits} bits; GPTQ takes 2..8")
+            if r.weight.granularity.kind == "tensor":
+                raise ValueError(f"gptq: rule {r.pattern!r} is per-tensor; GPTQ needs per-channel or group scales")
+            if r.weight.calibrator not in ("minmax", "absmax"):
+                raise ValueError(f"gptq: rule {r.pattern!r} asks for the {r.weight.calibrator!r} calibrator; GPTQ's "
+                                 "grids are min/max or searched (the step's grid setting)")
 
     def spec(self) -> QuantSpec:
         """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""

@@ -224,6 +224,12 @@ def test_rules_give_each_layer_its_own_format():
 def test_rules_are_weight_only_and_must_match():
     with pytest.raises(ValueError, match="weight-only"):
         GPTQ(rules=(Rule(".*", QuantSpec(8, True, per_channel(1)), act_bits=8),))
+    from eqjax.qarray import per_tensor
+
+    with pytest.raises(ValueError, match="per-tensor"):
+        GPTQ(rules=(Rule(".*", QuantSpec(8, True, per_tensor())),))
+    with pytest.raises(ValueError, match="'percentile' calibrator"):
+        GPTQ(rules=(Rule(".*", QuantSpec(4, False, per_input_group(32), "percentile")),))
     model, params, toks = _tiny_llama(1)
     from eqjax.errors import InputError
 

@@ -383,8 +383,10 @@ def search(
         hessians = collect_hessians(model, params, calibration_windows, progress=say)
     say(f"statistics of {len(hessians)} linear layers ({time.perf_counter() - t0:.1f}s)")
     layers = layer_table(params, hessians, candidates, progress=say)
+    from eqjax.methods.gptq import GPTQ  # noqa: PLC0415
+
     step = _make_recipe("probe", "", method, [candidates[0].rule_dict(".*", 128)]).steps[0]
-    if proxy == "kl" and getattr(step, "name", "") == "gptq":
+    if proxy == "kl" and isinstance(step, GPTQ):
         from eqjax.sensitivity import method_errors  # noqa: PLC0415 - imports search
 
         t1 = time.perf_counter()

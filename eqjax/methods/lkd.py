@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from eqjax.blockfit import StepBudget, share_budget, shared_jit
 from eqjax.calibrate import block_mse
 from eqjax.core.analysis import WeightUse
 from eqjax.linear import quantize_activations
@@ -90,6 +91,9 @@ class ZeroQuantLKD:
       train_norms: also train the block's other float params (norm scales, biases).
       keep_better: per block, keep the untrained params when training did not lower the quantized
         block-output MSE on the calibration batches.
+      time_budget: seconds of training for the whole step (None: no limit): each block gets the time
+        left divided by the blocks left, and fewer than ``steps`` steps when that runs out
+        (:class:`eqjax.blockfit.StepBudget`).
     """
 
     bits: int = 8
@@ -100,12 +104,15 @@ class ZeroQuantLKD:
     micro_batch: int = 1
     train_norms: bool = True
     keep_better: bool = True
+    time_budget: float | None = None
     name: str = "zeroquant_lkd"
     needs_calibration = True
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.micro_batch < 1 or self.lr <= 0:
             raise ValueError("ZeroQuantLKD needs steps >= 0, micro_batch >= 1 and lr > 0")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError("zeroquant_lkd: time_budget must be > 0 seconds (or None)")
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "ZeroQuantLKD":
@@ -123,6 +130,9 @@ class ZeroQuantLKD:
         rng = np.random.default_rng(ctx.seed)
         report: dict[str, dict[str, float]] = {}
         object.__setattr__(self, "report", report)  # per-block MSEs, for reports; not part of the hash
+        t_start = time.perf_counter()
+        n_blocks = sum(1 for b in cal.blocks if any(an.roles[u.path].kind == "matmul" for u in b.uses))
+        done = [0]
 
         def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
@@ -140,11 +150,17 @@ class ZeroQuantLKD:
             if self.steps == 0:
                 report[bc.name] = {"mse_rtn": mse0}
                 return q0
-            trained = self._train(bc, p, teacher, specs, weights, rng)
+            clock = StepBudget(self.steps, share_budget(self.time_budget, t_start, n_blocks - done[0]))
+            done[0] += 1
+            if clock.exhausted:
+                report[bc.name] = {"mse_rtn": mse0, "steps": 0}
+                return q0
+            trained, steps = self._train(bc, p, teacher, specs, weights, rng, clock)
             q1 = quantize_by_rules(trained, (rule,), ctx, warn_unused=False, step=self.name, report=False)
             mse1 = block_mse(bc.outputs(q1), teacher)
-            report[bc.name] = {"mse_rtn": mse0, "mse_lkd": mse1, "seconds": time.perf_counter() - t0}
-            log.info("lkd %s: block mse %.3e -> %.3e (%.1fs)", bc.name, mse0, mse1, time.perf_counter() - t0)
+            report[bc.name] = {"mse_rtn": mse0, "mse_lkd": mse1, "steps": steps, "seconds": time.perf_counter() - t0}
+            log.info("lkd %s: block mse %.3e -> %.3e (%d steps, %.1fs)", bc.name, mse0, mse1, steps,
+                     time.perf_counter() - t0)
             if self.keep_better and not mse1 < mse0:
                 return q0
             return q1
@@ -156,8 +172,9 @@ class ZeroQuantLKD:
         return out
 
     def _train(self, bc: Any, p: dict[str, Any], teacher: list[list[Any]], specs: Mapping[str, QuantSpec],
-               weights: tuple[str, ...], rng: np.random.Generator) -> dict[str, Any]:
-        """Adam on the block-output MSE of the fake-quantized student; returns trained float params."""
+               weights: tuple[str, ...], rng: np.random.Generator, clock: StepBudget) -> tuple[dict[str, Any], int]:
+        """Adam on the block-output MSE of the fake-quantized student; returns the trained float
+        params and the number of steps taken."""
         fn = bc.function(fake_quant_hook(specs, self.act_bits))
         paths = bc.param_paths()
         train = [q for q in paths if q in weights or (self.train_norms and _is_float(p[q]) and not is_quantized(p[q]))]
@@ -173,21 +190,24 @@ class ZeroQuantLKD:
                         total = total + jnp.mean(jnp.square(o.astype(jnp.float32) - t.astype(jnp.float32)))
             return total / len(ins_list)
 
-        @jax.jit
         def step(tp, state, ins_list, targets_list):
             loss, g = jax.value_and_grad(loss_fn)(tp, ins_list, targets_list)
             upd, state = opt.update(g, state, tp)
             return optax.apply_updates(tp, upd), state, loss
 
+        step_c = shared_jit(step)  # one executable for every block that traces to the same program
         tp = {q: p[q] for q in train}
         state = opt.init(tp)
         inputs = bc.inputs()
         n = len(inputs)
         mb = min(self.micro_batch, n)
-        for _ in range(self.steps):
+        steps, it = self.steps, 0
+        while it < steps:
             idx = np.sort(rng.choice(n, mb, replace=False))
-            tp, state, _loss = step(tp, state, [inputs[i] for i in idx], [teacher[i] for i in idx])
-        return {**p, **tp}
+            tp, state, loss = step_c(tp, state, [inputs[i] for i in idx], [teacher[i] for i in idx])
+            it += 1
+            steps = clock.after(it, loss)
+        return {**p, **tp}, it
 
 
 def _is_float(x: Any) -> bool:

@@ -36,58 +36,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from eqjax.blockfit import StepBudget, share_budget, shared_jit
 from eqjax.numerics import (QuantSpec, _blocked, _to_view, _unblock, compute_range, fake_quantize_grid, quantize_with,
                             range_to_qparams, round_ste)
 from eqjax.qarray import is_quantized
 from eqjax.rules import Rule
 from eqjax.statistics import xtx
 
-__all__ = ["SignRound", "shared_jit"]
+__all__ = ["SignRound"]
 
 log = logging.getLogger("eqjax")
 
 
 def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-_COMPILED: dict[tuple, Callable] = {}
-
-
-class shared_jit:  # noqa: N801 - used like jax.jit
-    """``jax.jit`` that compiles once per traced program: functions (closures over different blocks)
-    whose jaxprs print identically share one executable (the closed-over arrays become arguments).
-    Traced once per argument signature; ``shared_jit(fn)(*args)``."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-        self._traced: dict[tuple, tuple] = {}
-
-    def __call__(self, *args: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        sig = (tree, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves))
-        hit = self._traced.get(sig)
-        if hit is None:
-            closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
-            key = (str(closed.jaxpr), tuple((tuple(np.shape(c)), str(jnp.result_type(c))) for c in closed.consts))
-            fn = _COMPILED.get(key)
-            if fn is None:
-                jaxpr = closed.jaxpr
-                fn = jax.jit(lambda consts, xs: jax.core.eval_jaxpr(jaxpr, consts, *xs))
-                if len(_COMPILED) > 32:
-                    _COMPILED.clear()
-                _COMPILED[key] = fn
-            hit = (fn, list(closed.consts), jax.tree_util.tree_structure(out_shape))
-            self._traced[sig] = hit
-        fn, consts, out_tree = hit
-        return jax.tree_util.tree_unflatten(out_tree, fn(consts, leaves))
 
 
 def _grid_from_factors(s0, z0, a, b, bits: int, symmetric: bool):
@@ -198,10 +167,7 @@ class SignRound:
             t0 = time.perf_counter()
             specs = {w: concrete_spec(self.spec(), an, w, tuple(p[w].shape)) for w in weights}
             grids = self._initial_grids(bc, p, weights, specs, an)
-            budget = None
-            if self.time_budget is not None:
-                left = self.time_budget - (time.perf_counter() - t_start)
-                budget = max(0.0, left / max(1, n_blocks - done[0]))
+            budget = share_budget(self.time_budget, t_start, n_blocks - done[0])
             q, info = self._block(bc, p, weights, specs, grids, rng, budget)
             done[0] += 1
             info["seconds"] = time.perf_counter() - t0
@@ -312,7 +278,8 @@ class SignRound:
         q0 = self._quantized(p, weights, specs, grids, None)
         mse0 = block_mse(q0)
         info: dict[str, float] = {"mse_init": mse0, "iters": 0}
-        if self.iters == 0 or (budget is not None and budget <= 0):
+        clock = StepBudget(self.iters, budget)
+        if self.iters == 0 or clock.exhausted:
             return q0, info
         tv = {w: {"v": jnp.zeros(jnp.shape(p[w]), jnp.float32), "a": jnp.ones_like(grids[w][0]),
                   "b": jnp.ones_like(grids[w][0])} for w in weights}
@@ -338,7 +305,6 @@ class SignRound:
         iters = self.iters
         order: list[int] = []
         t_train = time.perf_counter()
-        t_first = None
         it = 0
         while it < iters:
             if not order:
@@ -348,15 +314,7 @@ class SignRound:
             lr = jnp.asarray(lr0 * (1.0 - frac) if self.optimizer == "sign" else lr0, jnp.float32)
             tv, state, loss = step_c(tv, state, lr, inputs[i], teacher[i])
             it += 1
-            if budget is not None:
-                if it == 1:
-                    jax.block_until_ready(loss)
-                    t_first = time.perf_counter()  # after the compile
-                elif it == 3:
-                    jax.block_until_ready(loss)
-                    per = (time.perf_counter() - t_first) / 2
-                    left = budget - (time.perf_counter() - t_train)
-                    iters = max(it, min(iters, it + int(left / max(per, 1e-6))))
+            iters = clock.after(it, loss)
         q1 = self._quantized(p, weights, specs, grids, tv)
         mse1 = block_mse(q1)
         info.update(mse_trained=mse1, iters=it, train_seconds=time.perf_counter() - t_train)

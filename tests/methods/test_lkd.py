@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +49,23 @@ def test_config_and_errors():
         quantize(params, Recipe("x", (ZeroQuantLKD(),)), model=model)
     with pytest.raises(ValueError):
         ZeroQuantLKD(steps=-1)
+    with pytest.raises(ValueError, match="time_budget"):
+        ZeroQuantLKD(time_budget=0)
+    r = recipe_from_dict({"name": "x", "steps": [{"method": "zeroquant_lkd", "time_budget": 90}]})
+    assert r.steps[0].time_budget == 90
+
+
+def test_time_budget_caps_steps():
+    model = Model(dataclasses.replace(CFG, n_layers=2))
+    params = model.init_params(jax.random.key(0), std=0.2)
+    toks = jax.random.randint(jax.random.key(1), (8, 16), 0, 64, dtype=jnp.int32)
+    step = ZeroQuantLKD(bits=4, group_size=16, steps=1_000_000, time_budget=20.0)
+    t0 = time.perf_counter()
+    quantize(params, Recipe("lkd", (step,)), model=model, calibration=toks)
+    steps = [r["steps"] for r in step.report.values()]  # two layers and the lm_head
+    assert len(steps) == 3 and all(s < 1_000_000 for s in steps), step.report
+    assert steps[0] >= 3, step.report  # the first block times three steps before it stops
+    assert time.perf_counter() - t0 < 120
 
 
 @pytest.mark.slow

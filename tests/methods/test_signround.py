@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eqjax.methods.rtn import RTN
-from eqjax.methods.signround import SignRound, shared_jit
+from eqjax.methods.signround import SignRound
 from eqjax.models import LlamaConfig, Model
 from eqjax.numerics import QuantSpec, dequantize, fake_quantize_grid, quantize, quantize_with
 from eqjax.qarray import QArray, per_group, validate
@@ -87,18 +87,6 @@ def test_fake_quantize_grid_matches_stored_grid_and_has_gradients():
                                    np.asarray(dequantize(q2)), rtol=1e-6, atol=1e-7)
         g = jax.grad(lambda o: jnp.sum(fake_quantize_grid(w, s, z, bits=3, granularity=gran, offset=o) ** 2))(v)
         assert float(jnp.max(jnp.abs(g))) > 0
-
-
-def test_shared_jit_reuses_one_executable_for_identical_programs():
-    def make(c):
-        return lambda x: jnp.sin(x) * c  # the closed-over array becomes an argument
-
-    x = jnp.ones((3,))
-    f1, f2 = shared_jit(make(jnp.full((3,), 2.0))), shared_jit(make(jnp.full((3,), 3.0)))
-    np.testing.assert_allclose(np.asarray(f1(x)), np.sin(1.0) * 2.0, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(f2(x)), np.sin(1.0) * 3.0, rtol=1e-6)
-    (e1,), (e2,) = ({h[0] for h in f._traced.values()} for f in (f1, f2))
-    assert e1 is e2
 
 
 def test_config_keys_and_errors():

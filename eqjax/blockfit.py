@@ -1,0 +1,88 @@
+"""What the methods that train one block at a time share: one compile per program, and a time budget.
+
+* :class:`shared_jit` compiles a training step once for every block that traces to the same program
+  (a transformer's blocks differ only in their arrays), instead of once per block.
+* :class:`StepBudget` turns a wall-time budget (seconds) into an iteration count: the first step
+  (which compiles) is excluded, the next two are timed, and the count is fixed from their mean.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["shared_jit", "StepBudget", "share_budget"]
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+class shared_jit:  # noqa: N801 - used like jax.jit
+    """``jax.jit`` that compiles once per traced program: functions (closures over different blocks)
+    whose jaxprs print identically share one executable (the closed-over arrays become arguments).
+    Traced once per argument signature; ``shared_jit(fn)(*args)``."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self._traced: dict[tuple, tuple] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        sig = (tree, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves))
+        hit = self._traced.get(sig)
+        if hit is None:
+            closed, out_shape = jax.make_jaxpr(self.fn, return_shape=True)(*args)
+            key = (str(closed.jaxpr), tuple((tuple(np.shape(c)), str(jnp.result_type(c))) for c in closed.consts))
+            fn = _COMPILED.get(key)
+            if fn is None:
+                jaxpr = closed.jaxpr
+                fn = jax.jit(lambda consts, xs: jax.core.eval_jaxpr(jaxpr, consts, *xs))
+                if len(_COMPILED) > 32:
+                    _COMPILED.clear()
+                _COMPILED[key] = fn
+            hit = (fn, list(closed.consts), jax.tree_util.tree_structure(out_shape))
+            self._traced[sig] = hit
+        fn, consts, out_tree = hit
+        return jax.tree_util.tree_unflatten(out_tree, fn(consts, leaves))
+
+
+def share_budget(total: float | None, t_start: float, blocks_left: int) -> float | None:
+    """Seconds for the next block: what is left of ``total`` (seconds since ``t_start``, a
+    ``time.perf_counter()`` value) split evenly over ``blocks_left``; None = no limit."""
+    if total is None:
+        return None
+    return max(0.0, (total - (time.perf_counter() - t_start)) / max(1, blocks_left))
+
+
+class StepBudget:
+    """Iterations of one block's training loop under ``seconds`` of wall time (None: ``iters``).
+
+    Call :meth:`after` with the step count done and the step's output (a ``jax.Array``) after every
+    step; it returns the (possibly lowered, never below the steps done) total step count."""
+
+    def __init__(self, iters: int, seconds: float | None):
+        self.iters, self.seconds = iters, seconds
+        self.t0 = time.perf_counter()
+        self._t_first: float | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        """No time at all for this block (train nothing)."""
+        return self.seconds is not None and self.seconds <= 0
+
+    def after(self, done: int, out: Any) -> int:
+        if self.seconds is None:
+            return self.iters
+        if done == 1:
+            jax.block_until_ready(out)
+            self._t_first = time.perf_counter()  # after the compile
+        elif done == 3 and self._t_first is not None:
+            jax.block_until_ready(out)
+            now = time.perf_counter()
+            per = (now - self._t_first) / 2
+            left = self.seconds - (now - self.t0)
+            self.iters = max(done, min(self.iters, done + int(left / max(per, 1e-6))))
+        return self.iters

@@ -1,0 +1,54 @@
+"""Shared compilation and the wall-time budget of block-training methods (SignRound, LKD)."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from eqjax.blockfit import StepBudget, share_budget, shared_jit
+
+
+def test_shared_jit_reuses_one_executable_for_identical_programs():
+    def make(c):
+        return lambda x: jnp.sin(x) * c  # the closed-over array becomes an argument
+
+    x = jnp.ones((3,))
+    f1, f2 = shared_jit(make(jnp.full((3,), 2.0))), shared_jit(make(jnp.full((3,), 3.0)))
+    np.testing.assert_allclose(np.asarray(f1(x)), np.sin(1.0) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(f2(x)), np.sin(1.0) * 3.0, rtol=1e-6)
+    (e1,), (e2,) = ({h[0] for h in f._traced.values()} for f in (f1, f2))
+    assert e1 is e2
+
+
+def test_step_budget_without_limit_keeps_the_count():
+    b = StepBudget(7, None)
+    assert not b.exhausted
+    assert [b.after(i, jnp.zeros(())) for i in range(1, 8)] == [7] * 7
+
+
+def test_step_budget_fixes_the_count_from_timed_steps():
+    b = StepBudget(10_000, 0.2)
+    out, done, total = jnp.zeros(()), 0, 10_000
+    while done < total:
+        time.sleep(0.02)  # each step ~20 ms: about 10 fit in 0.2 s
+        done += 1
+        total = b.after(done, out)
+    assert 3 <= total <= 12, total
+    assert done == total
+
+
+def test_step_budget_never_below_steps_done_and_exhausted_at_zero():
+    b = StepBudget(100, 1e-9)
+    for i in (1, 2, 3):
+        n = b.after(i, jnp.zeros(()))
+    assert n == 3
+    assert StepBudget(100, 0.0).exhausted
+
+
+def test_share_budget_splits_what_is_left():
+    assert share_budget(None, time.perf_counter(), 3) is None
+    t = time.perf_counter()
+    assert 2.9 < share_budget(9.0, t, 3) <= 3.0
+    assert share_budget(1.0, t - 5.0, 2) == 0.0

@@ -3,7 +3,9 @@
 * :class:`shared_jit` compiles a training step once for every block that traces to the same program
   (a transformer's blocks differ only in their arrays), instead of once per block.
 * :class:`StepBudget` turns a wall-time budget (seconds) into an iteration count: the first step
-  (which compiles) is excluded, the next two are timed, and the count is fixed from their mean.
+  (which compiles) is excluded, the next two are timed, and the count is fixed from their mean. In a
+  multi-process job every process takes process 0's count (their steps are collective programs and
+  must run the same number of times).
 """
 
 from __future__ import annotations
@@ -84,5 +86,10 @@ class StepBudget:
             now = time.perf_counter()
             per = (now - self._t_first) / 2
             left = self.seconds - (now - self.t0)
-            self.iters = max(done, min(self.iters, done + int(left / max(per, 1e-6))))
+            n = max(done, min(self.iters, done + int(left / max(per, 1e-6))))
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils  # noqa: PLC0415
+
+                n = int(multihost_utils.broadcast_one_to_all(np.int64(n)))
+            self.iters = n
         return self.iters

@@ -104,6 +104,14 @@ def main() -> int:
             placed.append(all(np.array_equal(np.asarray(sh.data), np.arange(6)) for sh in g.addressable_shards)
                           and len(g.addressable_shards) == jax.local_device_count())
 
+        # a wall-time budget: every process runs process 0's step count (1e-9 s there: 3 steps)
+        from eqjax.blockfit import StepBudget
+
+        budget = StepBudget(1000, 1e-9 if pid == 0 else 1e6)
+        for i in (1, 2, 3):
+            n_steps = budget.after(i, jnp.zeros(()))
+        budget_steps = [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int64(n_steps)))]
+
         def write(path):
             dev = jax.local_devices()[0]
             with jax.default_device(dev):
@@ -117,6 +125,7 @@ def main() -> int:
                     "ema": _same(ema_got, st.absmax),
                     "tp": [],
                     "placed": placed,
+                    "budget_steps": budget_steps,
                     "process_count": jax.process_count(),
                     "device_count": jax.device_count(),
                 }

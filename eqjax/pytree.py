@@ -63,9 +63,9 @@ def unflatten_paths(values: dict[str, Any], template: Params) -> Params:
     return jax.tree_util.tree_unflatten(treedef, [values.get(p, x) for p, x in zip(paths, leaves)])
 
 
-def flatten(params: Params) -> Iterator[tuple[str, Any]]:
-    """(path, leaf) pairs in tree order; quantized arrays are leaves."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+def flatten(params: Params, *, leaf_type: Callable[[Any], bool] | None = None) -> Iterator[tuple[str, Any]]:
+    """(path, leaf) pairs in tree order; quantized arrays are leaves (and whatever ``leaf_type`` accepts)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=leaf_type or is_leaf)
     for path, leaf in leaves:
         yield path_str(path), leaf
 

@@ -60,9 +60,11 @@ def function_graph(fn: Any, params: Any, args: Sequence[Any], *, input_names: Se
     from eqjax.core.analysis import analyze  # noqa: PLC0415
     from eqjax.core.program import trace  # noqa: PLC0415
     from eqjax.export.fusions import find_fusions  # noqa: PLC0415
+    from eqjax.export.qlower import refuse_rotated  # noqa: PLC0415
     from eqjax.export.walker import Walker  # noqa: PLC0415
     from eqjax.pytree import flatten  # noqa: PLC0415
 
+    refuse_rotated(params)
     prog = trace(fn, params, tuple(args), what="function")
     an = analyze(prog)
     names = list(input_names or [f"input_{i}" for i in range(len(prog.args))])

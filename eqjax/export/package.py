@@ -54,12 +54,16 @@ CHECK_TEXT = "The quick brown fox jumps over the lazy dog, and the history of th
 
 
 def check_recipe(recipe: Any) -> None:
-    """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit)."""
+    """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit,
+    online rotations)."""
     if getattr(recipe, "kv", None) is not None:
         kv = recipe.kv
         raise ExportError(f"recipe {recipe.name!r} quantizes the KV cache (K{kv.key_bits}V{kv.value_bits}); the "
                           "exported graph keeps a float KV cache: export a recipe without 'kv'")
     for step in getattr(recipe, "steps", ()):
+        if getattr(step, "online_down", False):
+            raise ExportError(f"recipe {recipe.name!r} rotates down_proj's input online (QuaRot); the ONNX graph "
+                              "has no lowering of the online Hadamard yet: export a recipe without rotation")
         bits = {getattr(step, "bits", None)} | {getattr(r.weight, "bits", None) for r in getattr(step, "rules", ())
                                                 if getattr(r, "weight", None) is not None}
         if 3 in bits:
@@ -88,6 +92,7 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
 
     from eqjax.core.analysis import analyze  # noqa: PLC0415
     from eqjax.core.program import trace  # noqa: PLC0415
+    from eqjax.export.qlower import refuse_rotated  # noqa: PLC0415
     from eqjax.pytree import flatten  # noqa: PLC0415
 
     c = model.config
@@ -96,6 +101,7 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
     b, t, s = jexport.symbolic_shape("batch, seq, cache", constraints=["cache >= seq"])
     args = (jax.ShapeDtypeStruct((b, t), np.int32), jax.ShapeDtypeStruct((L, b, Hkv, s, hd), np.float32),
             jax.ShapeDtypeStruct((L, b, Hkv, s, hd), np.float32), jax.ShapeDtypeStruct((), np.int32))
+    refuse_rotated(params)
     prog = trace(_decode_step(model), params, args, what="decoder step")
     if prog.opaque:
         raise ExportError(f"the decoder step has {len(prog.opaque)} loop/cond nodes over params; unroll them to export")

@@ -42,14 +42,26 @@ import onnx
 
 from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 from eqjax.numerics import codes, expand_scale, integer_values
-from eqjax.qarray import ActQuantKernel, QArray
+from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel
 
-__all__ = ["Blocked", "blocked", "check_exportable", "emit_matmul", "emit_gather", "W8A8_ZERO_POINT", "S8_WEIGHT_LIMIT",
+__all__ = ["Blocked", "blocked", "check_exportable", "refuse_rotated",
+           "emit_matmul", "emit_gather", "W8A8_ZERO_POINT", "S8_WEIGHT_LIMIT",
            "w8a8_weight_codes", "w8a8_table", "emit_table_gather", "NBITS"]
 
 NBITS = (2, 4, 8)
 W8A8_ZERO_POINT = 128
 """Zero point of both uint8 ``MatMulInteger`` operands of the W8A8 lowering (codes are ``q + 128``)."""
+
+
+def refuse_rotated(params: Any) -> None:
+    """:class:`ExportError` naming the first weight whose input is rotated online (a QuaRot
+    :class:`~eqjax.qarray.RotatedKernel`): the graph has no lowering of the online Hadamard yet."""
+    from eqjax.pytree import flatten  # noqa: PLC0415
+
+    for path, leaf in flatten(params, leaf_type=lambda x: isinstance(x, RotatedKernel)):
+        if isinstance(leaf, RotatedKernel):
+            raise ExportError(f"{path}: a weight with an online Hadamard rotation (QuaRot recipes, *-rot-*) cannot be "
+                              "exported to ONNX yet; export a recipe without rotation")
 
 
 def check_exportable(path: str, leaf: Any) -> str:

@@ -44,12 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.errors import InputError
-from eqjax.linear import ActQuantKernel
 from eqjax.models import Model
 from eqjax.models.config import ConfigError, GPT2Config, ModelConfig
 from eqjax.models.hf_config import from_hf_config, to_hf_config
-from eqjax.numerics import dequantize
-from eqjax.qarray import QArray
+from eqjax.numerics import dequantize_leaf
 
 __all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "hf_name"]
 
@@ -297,11 +295,8 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
 
 
 def _to_float(x: Any) -> np.ndarray:
-    if isinstance(x, ActQuantKernel):
-        x = x.weight
-    if isinstance(x, QArray):
-        x = dequantize(x, jnp.float32)
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+    """The float32 weight a leaf stands for (quantized leaves dequantized, online rotations folded in)."""
+    return np.asarray(dequantize_leaf(x, jnp.float32))
 
 
 def _get(tree: Mapping[str, Any], path: Path_) -> Any:
@@ -322,7 +317,9 @@ def save_hf_checkpoint(
 ) -> Path:
     """Write ``params`` as ``model.safetensors`` + ``config.json`` that transformers loads.
 
-    QArrays and ActQuantKernels are dequantized (the checkpoint is float). ``dtype`` is
+    QArrays and ActQuantKernels are dequantized and RotatedKernels' rotations folded into the weight
+    (the checkpoint is float); a tied model whose params carry an ``lm_head`` (a rotation unties it)
+    is written untied. ``dtype`` is
     ``float32``, ``float16`` or ``bfloat16``; ``extra_config`` adds keys to config.json (token ids,
     ...). Returns the directory.
     """
@@ -331,6 +328,8 @@ def save_hf_checkpoint(
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     config = model.config
+    if getattr(config, "tie_word_embeddings", False) and "lm_head" in params:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     out: dict[str, np.ndarray] = {}
     for t in _layout(config):
         name, values = t.name, []

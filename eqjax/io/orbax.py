@@ -27,8 +27,10 @@ the finiteness of every restored parameter, and, given ``model=``, that the chec
 that model (config fingerprint and every parameter's shape), naming the parameter and both shapes.
 
 Packed codes are stored as the uint8 arrays the QArray holds (tensorstore has no uint4), so the
-bytes on disk equal ``tree_nbytes``. Restoring rebuilds the same pytree (QArray / ActQuantKernel
-leaves with their static metadata), so logits are identical after a reload. Nothing is unpickled.
+bytes on disk equal ``tree_nbytes``. Restoring rebuilds the same pytree (QArray / ActQuantKernel /
+RotatedKernel leaves with their static metadata: a rotation's seed and axis, its inner leaf's arrays
+under the same path), so logits are identical after a reload. A rotation's untied ``lm_head`` is
+accepted for a tied model. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from eqjax.errors import CompatibilityError
 from eqjax.io.hf import CheckpointError
 from eqjax.linear import ActQuantKernel
 from eqjax.pytree import flatten
-from eqjax.qarray import Granularity, QArray, validate
+from eqjax.qarray import Granularity, QArray, RotatedKernel, validate
 
 __all__ = ["save_quantized", "load_quantized", "read_manifest", "FORMAT_VERSION", "model_fingerprint", "check_compatible",
            "recipe_kv", "is_partial_checkpoint"]
@@ -72,6 +74,56 @@ def _qarray_arrays(prefix: str, q: QArray, out: dict[str, Any]) -> None:
     out[f"{prefix}::scale"] = q.scale
     if q.zero_point is not None:
         out[f"{prefix}::zero_point"] = q.zero_point
+
+
+def _is_saved_leaf(x: Any) -> bool:
+    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel))
+
+
+def _encode(path: str, leaf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
+    """The manifest entry of one leaf; its arrays go into ``arrays`` under ``path::field`` keys."""
+    if isinstance(leaf, RotatedKernel):  # the inner leaf's arrays under the same path, the seed in the manifest
+        return {"kind": "rotated", "seed": int(leaf.seed), "axis": int(leaf.axis), "shape": list(leaf.shape),
+                "inner": _encode(path, leaf.kernel, arrays)}
+    if isinstance(leaf, QArray):
+        _qarray_arrays(path, leaf, arrays)
+        return {"kind": "qarray", **_qarray_meta(leaf)}
+    if isinstance(leaf, ActQuantKernel):
+        _qarray_arrays(path, leaf.weight, arrays)
+        if leaf.act_scale is not None:
+            arrays[f"{path}::act_scale"] = leaf.act_scale
+        return {"kind": "act_quant", "weight": _qarray_meta(leaf.weight), "act_bits": leaf.act_bits,
+                "act_granularity": leaf.act_granularity, "static_scale": leaf.act_scale is not None,
+                "shape": list(leaf.weight.shape)}
+    arrays[path] = leaf
+    return {"kind": "array", "shape": _logical_shape(leaf), "dtype": jnp.dtype(leaf.dtype).name}
+
+
+def _decode(meta: dict[str, Any], arrays: dict[str, Any], path: str, root: pathlib.Path) -> Any:
+    """The leaf of one manifest entry (:func:`_encode`'s inverse)."""
+    kind = meta["kind"]
+    if kind == "array":
+        leaf = jnp.asarray(arrays[path])
+        want = meta.get("shape")
+        if want is not None and list(leaf.shape) != list(want):
+            raise CheckpointError(
+                f"checkpoint array has the wrong shape ({root}: {path}): expected {tuple(want)}, found {tuple(leaf.shape)}"
+            )
+        return leaf
+    if kind == "qarray":
+        return _build_qarray(meta, arrays, path)
+    if kind == "act_quant":
+        act = jnp.asarray(arrays[f"{path}::act_scale"]) if meta["static_scale"] else None
+        return ActQuantKernel(_build_qarray(meta["weight"], arrays, path), act, int(meta["act_bits"]),
+                              meta["act_granularity"])
+    if kind == "rotated" and isinstance(meta.get("inner"), dict) and meta["inner"].get("kind") != "rotated":
+        inner = _decode(meta["inner"], arrays, path, root)
+        axis = int(meta["axis"])
+        if not 0 <= axis < len(inner.shape):
+            raise CheckpointError(f"corrupt checkpoint entry ({root}: {path}): rotation axis {axis} of a "
+                                  f"{len(inner.shape)}-d weight")
+        return RotatedKernel(inner, int(meta["seed"]), axis)
+    raise CheckpointError(f"corrupt checkpoint manifest ({root / _MANIFEST}: {path}): unknown leaf kind {kind!r}")
 
 
 def _logical_shape(leaf: Any) -> list[int]:
@@ -158,25 +210,8 @@ def save_quantized(
     check_params(params, f"params to save into {root}", allow_int=True)
     arrays: dict[str, Any] = {}
     leaves: dict[str, Any] = {}
-    for path, leaf in flatten(params):
-        if isinstance(leaf, QArray):
-            leaves[path] = {"kind": "qarray", **_qarray_meta(leaf)}
-            _qarray_arrays(path, leaf, arrays)
-        elif isinstance(leaf, ActQuantKernel):
-            leaves[path] = {
-                "kind": "act_quant",
-                "weight": _qarray_meta(leaf.weight),
-                "act_bits": leaf.act_bits,
-                "act_granularity": leaf.act_granularity,
-                "static_scale": leaf.act_scale is not None,
-                "shape": list(leaf.weight.shape),
-            }
-            _qarray_arrays(path, leaf.weight, arrays)
-            if leaf.act_scale is not None:
-                arrays[f"{path}::act_scale"] = leaf.act_scale
-        else:
-            leaves[path] = {"kind": "array", "shape": _logical_shape(leaf), "dtype": jnp.dtype(leaf.dtype).name}
-            arrays[path] = leaf
+    for path, leaf in flatten(params, leaf_type=_is_saved_leaf):
+        leaves[path] = _encode(path, leaf, arrays)
     if model is not None:
         model_config = to_hf_config(model.config)
     fingerprint = model_fingerprint(model) if model is not None else None
@@ -312,6 +347,9 @@ def check_compatible(manifest: dict[str, Any], model: Any, *, source: str = "che
                     f"expected {want_cfg.get(k)!r} (the model), found {have_cfg.get(k)!r} (the checkpoint)"
                 )
     expected = dict(_shape_leaves(model.param_shapes()))
+    emb = expected.get("embed/embedding")
+    if emb is not None and "lm_head/kernel" not in expected and "lm_head/kernel" in manifest.get("leaves", {}):
+        expected["lm_head/kernel"] = tuple(reversed(emb))  # a tied head untied (a rotation does): [D, V]
     leaves = manifest.get("leaves", {})
     for path, meta in leaves.items():
         shape = meta.get("shape") or (meta.get("weight") or {}).get("shape")
@@ -409,21 +447,7 @@ def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, veri
     params: dict[str, Any] = {}
     for path, meta in manifest["leaves"].items():
         try:
-            if meta["kind"] == "array":
-                leaf: Any = jnp.asarray(arrays[path])
-                want = meta.get("shape")
-                if want is not None and list(leaf.shape) != list(want):
-                    raise CheckpointError(
-                        f"checkpoint array has the wrong shape ({root}: {path}): expected {tuple(want)}, found {tuple(leaf.shape)}"
-                    )
-            elif meta["kind"] == "qarray":
-                leaf = _build_qarray(meta, arrays, path)
-            elif meta["kind"] == "act_quant":
-                act = jnp.asarray(arrays[f"{path}::act_scale"]) if meta["static_scale"] else None
-                leaf = ActQuantKernel(_build_qarray(meta["weight"], arrays, path), act, int(meta["act_bits"]),
-                                      meta["act_granularity"])
-            else:
-                raise CheckpointError(f"corrupt checkpoint manifest ({mpath}: {path}): unknown leaf kind {meta['kind']!r}")
+            leaf = _decode(meta, arrays, path, root)
         except KeyError as e:
             raise CheckpointError(f"checkpoint array missing ({root}: {path}): expected {e}, found nothing") from None
         except (TypeError, ValueError) as e:

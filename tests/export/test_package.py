@@ -116,10 +116,23 @@ def test_existing_package_kept_without_overwrite(tiny, tmp_path):
                                                    "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
 
 
-@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit")])
+@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit"),
+                                         ("w4g128-rot-gptq", r"rotates down_proj's input online")])
 def test_unrepresentable_recipes_are_refused_before_work(name, match):
     with pytest.raises(ExportError, match=match):
         recipe_for_export(name)
+
+
+def test_rotated_params_are_refused_with_the_weight_named(tiny, tmp_path):
+    from eqjax.recipe import quantize
+    from eqjax.recipes import get_recipe
+
+    model, params, tok = tiny
+    cal = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    q = quantize(params, get_recipe("w4g128-rot-rtn"), model=model, calibration=cal)
+    with pytest.raises(ExportError, match=r"layers_0/mlp/down_proj/kernel: a weight with an online Hadamard"):
+        export_package(model, q, tmp_path / "pkg", tokenizer=tok, check=False)
+    assert not (tmp_path / "pkg").exists()
 
 
 def test_self_check_with_int8_activations_catches_a_wrong_graph(tiny, tmp_path):

@@ -197,3 +197,23 @@ def test_tied_checkpoint_ignores_stray_lm_head(tmp_path):
     assert "lm_head" not in loaded
     logits, _ = Model(cfg).apply(loaded, jnp.zeros((1, 3), jnp.int32))
     assert logits.shape == (1, 3, 32)
+
+
+def test_rotated_model_saved_float_and_untied(tmp_path):
+    """A QuaRot model (tied embedding untied by the rotation, down_proj rotated online) is written as
+    the float model it stands for: untied, rotations folded in; reloaded, same logits."""
+    from eqjax.recipe import quantize as run_recipe
+    from eqjax.recipes import get_recipe
+
+    cfg = LlamaConfig(vocab=32, hidden=16, intermediate=24, n_layers=2, n_heads=2, n_kv_heads=1,
+                      tie_word_embeddings=True)
+    model = Model(cfg)
+    params = model.init_params(jax.random.key(0), std=0.2)
+    toks = jax.random.randint(jax.random.key(1), (2, 8), 0, 32, dtype=jnp.int32)
+    q = run_recipe(params, get_recipe("w4g128-rot-rtn"), model=model, calibration=toks)
+    save_hf_checkpoint(tmp_path, model, q)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    loaded_model, loaded = load_hf_checkpoint(tmp_path)
+    assert "lm_head" in loaded
+    np.testing.assert_allclose(np.asarray(loaded_model.apply(loaded, toks)[0]), np.asarray(model.apply(q, toks)[0]),
+                               rtol=1e-4, atol=1e-4)

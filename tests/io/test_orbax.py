@@ -30,6 +30,36 @@ def test_reload_gives_identical_logits(tmp_path, name):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_rotated_model_round_trip(tmp_path, tied):
+    """A QuaRot model: online-rotated down_proj (RotatedKernel: seed and axis in the manifest) and the
+    untied LM head a tied model gains; reloaded into the same model, the logits are identical."""
+    from eqjax.qarray import RotatedKernel
+
+    model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1,
+                              tie_word_embeddings=tied))
+    params = model.init_params(jax.random.PRNGKey(1))
+    assert ("lm_head" in params) is not tied
+    cal = jax.random.randint(jax.random.key(0), (2, 16), 0, 64)
+    recipe = get_recipe("w4a8-rot-gptq")
+    q = quantize(params, recipe, model=model, calibration=cal)
+    save_quantized(tmp_path / "ck", q, recipe=recipe, model=model)
+    m = json.loads((tmp_path / "ck" / "eqjax.json").read_text())
+    down = m["leaves"]["layers_0/mlp/down_proj/kernel"]
+    assert down["kind"] == "rotated" and down["inner"]["kind"] == "act_quant" and down["shape"] == [96, 64]
+    assert m["leaves"]["lm_head/kernel"]["shape"] == [64, 64]
+    q2, _ = load_quantized(tmp_path / "ck", model=model)
+    k, k2 = q["layers_0"]["mlp"]["down_proj"]["kernel"], q2["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(k2, RotatedKernel) and (k2.seed, k2.axis) == (k.seed, k.axis)
+    assert jax.tree_util.tree_structure(q) == jax.tree_util.tree_structure(q2)
+    toks = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % 64
+    np.testing.assert_array_equal(np.asarray(model.apply(q, toks)[0]), np.asarray(model.apply(q2, toks)[0]))
+    down["axis"] = 5  # a damaged manifest is named, not a traceback
+    (tmp_path / "ck" / "eqjax.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"down_proj/kernel\): rotation axis 5"):
+        load_quantized(tmp_path / "ck", verify=False)
+
+
 def test_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not an eqjax checkpoint"):
         load_quantized(tmp_path)

@@ -433,7 +433,6 @@ def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, veri
     from eqjax.schema import check_params
 
     root = pathlib.Path(directory).absolute()
-    mpath = root / _MANIFEST
     manifest = read_manifest(root)
     if model is not None:
         check_compatible(manifest, model, source=str(root))

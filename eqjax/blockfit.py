@@ -4,8 +4,8 @@
   (a transformer's blocks differ only in their arrays), instead of once per block.
 * :class:`StepBudget` turns a wall-time budget (seconds) into an iteration count: the first step
   (which compiles) is excluded, the next two are timed, and the count is fixed from their mean. In a
-  multi-process job every process takes process 0's count (their steps are collective programs and
-  must run the same number of times).
+  multi-process job every process takes process 0's block budget and count (their steps are
+  collective programs and must run the same number of times).
 """
 
 from __future__ import annotations
@@ -56,7 +56,16 @@ def share_budget(total: float | None, t_start: float, blocks_left: int) -> float
     ``time.perf_counter()`` value) split evenly over ``blocks_left``; None = no limit."""
     if total is None:
         return None
-    return max(0.0, (total - (time.perf_counter() - t_start)) / max(1, blocks_left))
+    return _from_process_0(max(0.0, (total - (time.perf_counter() - t_start)) / max(1, blocks_left)))
+
+
+def _from_process_0(x: float) -> float:
+    """Process 0's value in a multi-process job (every process must take the same decisions)."""
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return float(multihost_utils.broadcast_one_to_all(np.float64(x)))
 
 
 class StepBudget:
@@ -86,10 +95,5 @@ class StepBudget:
             now = time.perf_counter()
             per = (now - self._t_first) / 2
             left = self.seconds - (now - self.t0)
-            n = max(done, min(self.iters, done + int(left / max(per, 1e-6))))
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils  # noqa: PLC0415
-
-                n = int(multihost_utils.broadcast_one_to_all(np.int64(n)))
-            self.iters = n
+            self.iters = int(_from_process_0(max(done, min(self.iters, done + int(left / max(per, 1e-6))))))
         return self.iters

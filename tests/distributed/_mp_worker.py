@@ -105,12 +105,14 @@ def main() -> int:
                           and len(g.addressable_shards) == jax.local_device_count())
 
         # a wall-time budget: every process runs process 0's step count (1e-9 s there: 3 steps)
-        from eqjax.blockfit import StepBudget
+        from eqjax.blockfit import StepBudget, share_budget
 
         budget = StepBudget(1000, 1e-9 if pid == 0 else 1e6)
         for i in (1, 2, 3):
             n_steps = budget.after(i, jnp.zeros(()))
         budget_steps = [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int64(n_steps)))]
+        share = share_budget(10.0, time.perf_counter() - (20.0 if pid == 0 else 0.0), 2)  # process 0: spent
+        budget_steps += [float(v) for v in np.ravel(multihost_utils.process_allgather(np.float64(share)))]
 
         def write(path):
             dev = jax.local_devices()[0]

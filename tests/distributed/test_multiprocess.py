@@ -54,7 +54,7 @@ def test_two_processes_match_single_device(tmp_path):
     assert all(res["stats"].values()), res
     assert res["ema"] is True
     assert res["tp"] == [True, True, True]
-    assert res["budget_steps"] == [3, 3]  # a time budget gives every process the same step count
+    assert res["budget_steps"] == [3, 3, 0.0, 0.0]  # a time budget: process 0's step count and block budget
     assert res["placed"] == [True, True, True]  # eqjax.distributed.put: host and local values onto both processes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # written once, by process 0
 

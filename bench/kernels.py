@@ -223,8 +223,29 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"  {name:13s} M={m:5d} K=N={k}: {t * 1e6:10.1f} us  {row['tflops']:8.2f} TFLOP/s  "
                       f"{row['tbps']:6.3f} TB/s", flush=True)
+            res = _result(device, on_gpu, samples, t_start, load_start, rows)
+            _save(Path(args.out), res, _markdown(res))
 
-    result = {
+    out = Path(args.out)
+    res = _result(device, on_gpu, samples, t_start, load_start, rows)
+    _save(out, res, _markdown(res))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    return 0
+
+
+def gpu_run_header(tool: str, **fields) -> dict | None:
+    """The common head of a GPU-only benchmark's result (device, versions, date, ``fields``, empty
+    rows), or None after saying on stderr that there is no CUDA GPU."""
+    if not _is_cuda():
+        print(f"{tool}: needs a CUDA GPU (the Triton kernels lower for CUDA only); nothing measured", file=sys.stderr)
+        return None
+    return {"device": _device_name(), "jax": jax.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **fields, "rows": [], "stopped_early": False}
+
+
+def _result(device, on_gpu, samples, t_start, load_start, rows) -> dict:
+    return {
         "device": device,
         "kernels_timed": bool(on_gpu),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -237,12 +258,16 @@ def main(argv=None) -> int:
         "load_avg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # at start, at end
         "rows": rows,
     }
-    out = Path(args.out)
+
+
+def _save(out: Path, result: dict, markdown: str) -> None:
+    """Write JSON + markdown (temp file, then rename); called after every shape, so a run stopped
+    early keeps what it measured."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(_markdown(result))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
-    return 0
+    for suffix, text in ((".json", json.dumps(result, indent=1)), (".md", markdown)):
+        tmp = out.with_suffix(suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out.with_suffix(suffix))
 
 
 def _fmt(v, spec):

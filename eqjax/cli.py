@@ -52,7 +52,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-ctx", type=int, default=512, help="calibration window length")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("xla", "pallas", "pallas_interpret"), default="xla",
+    p.add_argument("--backend", choices=("xla", "pallas", "pallas_interpret", "auto"), default="xla",
                    help="quantized-matmul backend (pallas falls back to XLA where no kernel applies)")
 
 

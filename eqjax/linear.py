@@ -15,7 +15,9 @@ The backend is chosen per call (``backend=``) or by :func:`use_backend` (a conte
 context variable, so nothing global is mutated by call order). ``"xla"`` is always available;
 ``"pallas"`` uses :mod:`pallas_kernels` for the shapes and layouts a kernel covers
 (:func:`pallas_unsupported` says why not) and falls back to eqjax's XLA path otherwise;
-``"pallas_interpret"`` runs the same kernels in interpret mode (CPU tests). :mod:`pallas_kernels`
+``"pallas_interpret"`` runs the same kernels in interpret mode (CPU tests); ``"auto"`` runs a kernel
+only on CUDA and only where it was measured faster than XLA (:func:`pallas_kernels.tuning.prefer_kernel`),
+eqjax's XLA path everywhere else. :mod:`pallas_kernels`
 takes plain arrays: the adapter here hands it a QArray's codes / scales / zero points and group
 size, or an ActQuantKernel's int8 codes, per-channel scales and activation-scale settings. Its
 entries lower to the Triton kernel for CUDA only and to their XLA reference elsewhere; the W8A8
@@ -54,15 +56,16 @@ __all__ = [
     "kernel_shape",
 ]
 
-Backend = Literal["xla", "pallas", "pallas_interpret"]
+Backend = Literal["xla", "pallas", "pallas_interpret", "auto"]
+BACKENDS = ("xla", "pallas", "pallas_interpret", "auto")
 _BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("eqjax_backend", default="xla")
 
 
 @contextlib.contextmanager
 def use_backend(backend: Backend) -> Iterator[None]:
     """Within the block, linears with no explicit ``backend`` use this one."""
-    if backend not in ("xla", "pallas", "pallas_interpret"):
-        raise ValueError(f"unknown backend {backend!r}: use 'xla', 'pallas' or 'pallas_interpret'")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     token = _BACKEND.set(backend)
     try:
         yield
@@ -84,20 +87,22 @@ def quantize_activations(
 ) -> tuple[jax.Array, jax.Array]:
     """Symmetric activation quantization of ``x2 [M, K]``: (int8 ``[M, K]``, float32 scale ``[M, 1]``).
 
-    ``scale = absmax / (2**(bits-1) - 1)`` per row (``token``) or over the tensor; a zero row gets
-    scale 1. With ``static_scale`` values beyond the calibrated range are clipped.
+    ``scale = absmax * fl(1/qmax)`` per row (``token``) or over the tensor, ``qmax = 2**(bits-1) - 1``;
+    a zero row gets scale 1. Codes ``clip(round_half_even(x * fl(1/scale)), -qmax, qmax)``: exactly
+    :func:`pallas_kernels.quantize_rows_xla`, the Pallas kernels' arithmetic, on every platform. With
+    ``static_scale`` values beyond the calibrated range are clipped.
     """
+    import pallas_kernels as pk  # noqa: PLC0415 - deferred: jax.experimental.pallas costs ~0.2 s to import
+
     qmax = 2 ** (bits - 1) - 1
-    xf = x2.astype(jnp.float32)
     if static_scale is not None:
-        s = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1)[:1], (x2.shape[0], 1))
+        scale = jnp.asarray(static_scale, jnp.float32).reshape(-1)[:1]
+    elif granularity == "token":
+        scale = None
     else:
-        axis = 1 if granularity == "token" else None
-        amax = jnp.max(jnp.abs(xf), axis=axis, keepdims=True)
-        amax = jnp.broadcast_to(amax, (x2.shape[0], 1))
-        s = jnp.where(amax > 0, amax / qmax, 1.0)
-    q = jnp.clip(jnp.round(xf / s), -qmax, qmax).astype(jnp.int8)
-    return q, s
+        scale = pk.tensor_scale(x2, qmax)
+    q, s = pk.quantize_rows_xla(x2, qmax=qmax, scale=scale)
+    return q, s.reshape(-1, 1)
 
 
 def int_matmul(qx: jax.Array, qw: jax.Array) -> jax.Array:
@@ -254,6 +259,31 @@ def _dispatch_pallas(x2: jax.Array, kernel: Any, bias: jax.Array | None, out_dty
     return op(bias=bias, out_dtype=out_dtype, interpret=interpret)
 
 
+def _xla_matmul(x2: jax.Array, kernel: Any, bias: jax.Array | None) -> jax.Array:
+    if isinstance(kernel, ActQuantKernel):
+        y = act_quant_matmul(x2, kernel)
+    else:
+        y = jnp.matmul(x2, dequantize(kernel, x2.dtype))
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def _auto(x2: jax.Array, kernel: Any, bias: jax.Array | None) -> jax.Array | None:
+    """``backend="auto"``: the Pallas kernel on CUDA where :func:`pallas_kernels.tuning.prefer_kernel`
+    says it was measured faster than XLA for this shape, eqjax's XLA path everywhere else (always off
+    CUDA); None when the XLA path is the only choice."""
+    from pallas_kernels import tuning  # noqa: PLC0415 - deferred, as in _pallas_op
+
+    op = _pallas_op(x2, kernel)
+    if isinstance(op, str):
+        return None
+    kind = "w8a8" if isinstance(kernel, ActQuantKernel) else "w4a16"
+    (m, k), n = x2.shape, kernel_shape(kernel)[1]
+    if not tuning.prefer_kernel(kind, m, k, n):
+        return None
+    return jax.lax.platform_dependent(
+        x2, cuda=lambda x: op(bias=bias, out_dtype=x.dtype), default=lambda x: _xla_matmul(x, kernel, bias))
+
+
 def linear(x: jax.Array, layer: Mapping[str, Any], *, backend: Backend | None = None) -> jax.Array:
     """``x [..., in] @ kernel [in, out] (+ bias)`` for any kernel kind; returns ``x``'s dtype.
 
@@ -283,13 +313,10 @@ def matmul_2d(x2: jax.Array, kernel: Any, bias: jax.Array | None = None, *, back
     dtype: a Pallas kernel where one covers the layout and the backend asks for it, else XLA."""
     backend = backend or current_backend()
     y = None
-    if backend != "xla":
+    if backend == "auto":
+        y = _auto(x2, kernel, bias)
+    elif backend != "xla":
         y = _dispatch_pallas(x2, kernel, bias, x2.dtype, interpret=backend == "pallas_interpret")
     if y is None:
-        if isinstance(kernel, ActQuantKernel):
-            y = act_quant_matmul(x2, kernel)
-        else:
-            y = jnp.matmul(x2, dequantize(kernel, x2.dtype))
-        if bias is not None:
-            y = y + bias.astype(y.dtype)
+        y = _xla_matmul(x2, kernel, bias)
     return y.astype(x2.dtype)

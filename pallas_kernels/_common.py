@@ -102,6 +102,37 @@ def round_half_even(x: jax.Array) -> jax.Array:
     return jnp.where(up, f + 1.0, f)
 
 
+def _rn_asm(op: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``op.rn.f32`` (``div`` or ``mul``) through inline PTX, elementwise on broadcast float32 operands."""
+    (out,) = plgpu.elementwise_inline_asm(
+        f"{op}.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def _f32_pair(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    a = jnp.asarray(a).astype(jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    return jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+
+
+def mul_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
+    """The float32 product rounded to nearest, never fused into a later add (as XLA's ``a * b``).
+
+    Triton contracts ``a * b - c`` into one FMA by default, which skips the product's rounding: in
+    :func:`round_half_even` of ``x * fl(1/s)`` that could move a product that rounds onto
+    ``k + 0.5`` off the tie and flip a code. PTX ``mul.rn.f32`` is never contracted, so the codes
+    follow the documented arithmetic whatever the compiler's contraction settings.
+    """
+    a, b = _f32_pair(a, b)
+    return a * b if interpret else _rn_asm("mul", a, b)
+
+
 def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     """IEEE round-to-nearest float32 division, as XLA computes ``a / b``.
 
@@ -109,18 +140,8 @@ def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     could flip a quantization code next to a rounding tie; on CUDA we emit ``div.rn.f32`` instead.
     In interpret mode the kernel runs through XLA, whose ``/`` is already correctly rounded.
     """
-    a = a.astype(jnp.float32)
-    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
-    if interpret:
-        return a / b
-    (out,) = plgpu.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;",
-        args=[a, b],
-        constraints="=r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-    )
-    return out
+    a, b = _f32_pair(a, b)
+    return a / b if interpret else _rn_asm("div", a, b)
 
 
 def on_cuda_else(kernel_fn: Callable, fallback_fn: Callable, *args):

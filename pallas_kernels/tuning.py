@@ -1,9 +1,10 @@
 """Block sizes per shape for the Pallas Triton kernels.
 
 The table is keyed by the bucket of M (tokens): decode (M <= 16), small batch (<= 64), mid (<= 256)
-and prefill. The values are the usual Triton matmul starting points for Hopper/Ampere (power-of-two
-tiles, 4-8 warps, 3-4 pipeline stages) and have NOT been tuned on a GPU yet: `bench/kernels.py`
-is the script to do that; update the table from its output.
+and prefill. W8A8's rows up to M = 256 come from `bench/kernel_tune.py` on an H200 (jax 0.11.2,
+K = N = 4096); its prefill row and all W4A16 rows are the usual Triton starting points for Hopper
+(power-of-two tiles, 4-8 warps, 3-4 stages): the sweep stopped at its deadline before reaching them
+(W4A16 at M = 16 was within 4 % of its best). Re-run the sweep on a GPU and update the table from it.
 
 Split-K: at decode there are only ``N / BN`` programs per layer (32 for N = 4096, BN = 128), far
 fewer than the SMs (132 on an H100), so the K loop is split across ``split_k`` programs whose
@@ -45,11 +46,13 @@ class Blocks:
             raise ValueError("split_k must be >= 1")
 
 
-# (max M, bm, bn, bk, num_warps, num_stages)
+# (max M, bm, bn, bk, num_warps, num_stages). The first three rows are the fastest of
+# bench/kernel_tune.py's grid on an H200 (K = N = 4096; bench/results/kernel_tune_h200*.md):
+# 1.30x, 1.12x and 1.34x over the previous rows (16,128,256,4,4 / 64,128,128,4,4 / 128,128,128,8,3).
 _W8A8_TABLE = (
-    (16, 16, 128, 256, 4, 4),
-    (64, 64, 128, 128, 4, 4),
-    (256, 128, 128, 128, 8, 3),
+    (16, 16, 128, 256, 4, 3),
+    (64, 64, 64, 256, 4, 4),
+    (256, 128, 64, 256, 8, 3),
     (1 << 62, 128, 256, 128, 8, 3),
 )
 # bk in packed rows (two logical K each); capped by the group size in w4a16_blocks.
@@ -104,3 +107,23 @@ def w4a16_blocks(m: int, n: int, k: int, group_size: int) -> Blocks | None:
     bm, bn = _fit(bm, m), _fit(bn, n)
     programs = cdiv(m, bm) * cdiv(n, bn)
     return Blocks(bm, bn, bk, _split_k(programs, (k // 2) // bk), warps, stages)
+
+
+# Where a kernel beat eqjax's XLA path on an H200 (jax 0.11.2; bench/results/kernels_h200.md,
+# kernels_w8a8_h200.md, gpu_model_h200.md). W4A16: 3.0-3.9x at M <= 16 and 1.4x at M = 128 for
+# K = N = 4096 and 8192; 2-3x SLOWER at M >= 1024; slower end to end (0.78x decode) on SmolLM2's
+# 576 x 1536 matrices. W8A8: tied at M = 1, K = N = 4096, slower everywhere else measured. Shapes in
+# between were not measured and go to XLA.
+W4A16_AUTO_MAX_M = 128
+W4A16_AUTO_MIN_WEIGHTS = 4096 * 4096
+
+
+def prefer_kernel(kind: str, m: int, k: int, n: int) -> bool:
+    """Whether ``backend="auto"`` runs the Pallas kernel for an ``[m, k] @ [k, n]`` matmul of
+    ``kind`` (``"w8a8"`` or ``"w4a16"``) on CUDA: only inside the measured winning region."""
+    if kind == "w4a16":
+        return m <= W4A16_AUTO_MAX_M and k * n >= W4A16_AUTO_MIN_WEIGHTS
+    if kind == "w8a8":
+        return False
+    raise ValueError(f"unknown kernel kind {kind!r}")
+

@@ -23,17 +23,16 @@ Arithmetic (kernel and reference, in this order)::
     acc     = q @ w                                           exact int32
     y       = (float32(acc) * w_scale[n]) * s[m] (+ float32(bias[n]))  -> out_dtype
 
-all in float32, ``fl(1 / v)`` an IEEE-rounded reciprocal. Multiplying by reciprocals is spelled
-out because it is what XLA computes for ``x / s`` anyway: its algebraic simplifier rewrites a
-division by a broadcast (or a constant) into a multiplication by the reciprocal, so
-:func:`eqjax.linear.act_quant_matmul` (written ``amax / qmax``, ``x / s``) gets exactly this
-arithmetic for per-channel / per-tensor weight scales: bit-identical int32 sums and float results
-on XLA:CPU (tested in tests/test_linear.py; K > 1, since with K = 1 there is no broadcast to
-rewrite). Written this way the kernel does not depend on that rewrite: it takes the reciprocals
-with ``div.rn.f32`` (Triton's default f32 division is approximate) and rounds with
-floor/compare/select (Triton cannot lower ``jnp.round``), so its int32 sums equal the
-reference's exactly on any platform; its float epilogue may differ on GPU only by FMA contraction
-of the bias add (float32: within ``2**-22 * (|y| + |bias|)`` before the final cast).
+all in float32, ``fl(1 / v)`` an IEEE-rounded reciprocal. Multiplying by reciprocals (rather than
+dividing, which differs at some ties) is what XLA:CPU computes for ``x / s`` anyway, but not what
+XLA:GPU computed (an H200 run, jax 0.11.2), so nothing is left to a compiler: the reference
+materializes ``fl(1 / s)`` behind an optimization barrier, and :func:`eqjax.linear.quantize_activations`
+is this reference. The kernel takes the reciprocals with ``div.rn.f32`` (Triton's default f32
+division is approximate), multiplies by them with ``mul.rn.f32`` (never contracted into an FMA,
+which would skip the product's rounding) and rounds with floor/compare/select (Triton cannot lower
+``jnp.round``), so its int32 sums equal the reference's exactly on any platform; its float epilogue
+may differ on GPU only by FMA contraction of the bias add (float32: within
+``2**-22 * (|y| + |bias|)`` before the final cast).
 
 Where the kernel computes the per-token absmax (the row absmax needs all of K before the first
 code):
@@ -70,6 +69,7 @@ from pallas_kernels._common import (
     div_rn,
     load_tile,
     load_vec,
+    mul_rn,
     on_cuda_else,
     round_half_even,
     store_tile,
@@ -196,7 +196,10 @@ def quantize_rows_xla(
     codes ``clip(round_half_even(x * fl(1/s)), -qmax, qmax)``."""
     xf = x.astype(jnp.float32)
     s = _scale_from_absmax(jnp.max(jnp.abs(xf), axis=1), qmax) if scale is None else _vec(scale, x.shape[0])
-    inv = jnp.float32(1.0) / s
+    # The reciprocal is materialized (optimization barrier) so that no compiler folds ``x * fl(1/s)``
+    # back into ``x / s``. On an H200 (jax 0.11.2, no barrier yet) this reference gave x / s's codes
+    # at bfloat16 ties (64 where x * fl(1/s) = 63.499996); the barrier is not yet run on a GPU.
+    inv = jax.lax.optimization_barrier(jnp.float32(1.0) / s)
     q = jnp.clip(jnp.round(xf * inv[:, None]), -qmax, qmax).astype(jnp.int8)
     return q, s
 
@@ -237,9 +240,10 @@ def _reciprocal(s, interpret: bool):
     return div_rn(jnp.ones_like(s, jnp.float32), s, interpret=interpret)
 
 
-def _quantize_tile(xf, inv_s, qmax: int):
-    """int8 codes of a float32 tile with row reciprocals ``inv_s [BM]`` (= :func:`quantize_rows_xla`)."""
-    q = round_half_even(xf * inv_s[:, None])
+def _quantize_tile(xf, inv_s, qmax: int, interpret: bool):
+    """int8 codes of a float32 tile with row reciprocals ``inv_s [BM]`` (= :func:`quantize_rows_xla`);
+    the product is rounded before the rounding to codes looks at it (:func:`mul_rn`)."""
+    q = round_half_even(mul_rn(xf, inv_s[:, None], interpret=interpret))
     return jnp.clip(q, -qmax, qmax).astype(jnp.int8)
 
 
@@ -274,7 +278,7 @@ def _quant_kernel(*refs, M, K, bm, bk, qmax, given, interpret):
     def _(kb):
         k0 = kb * bk
         t = load_tile(x_ref, m0, bm, k0, bk, M, K).astype(jnp.float32)
-        store_tile(q_ref, m0, bm, k0, bk, M, K, _quantize_tile(t, inv_s, qmax))
+        store_tile(q_ref, m0, bm, k0, bk, M, K, _quantize_tile(t, inv_s, qmax, interpret))
 
     store_vec(s_ref, m0, bm, M, s)
 
@@ -340,7 +344,7 @@ def _gemm_kernel(*refs, a_mode, has_bias, M, N, K, bm, bn, bk, split_k, kb_per_s
         k0 = pl.multiple_of(kb * bk, bk)
         a = load_tile(x_ref, m0, bm, k0, bk, M, K)
         if a_mode != "int8":
-            a = _quantize_tile(a.astype(jnp.float32), inv_sx, qmax)
+            a = _quantize_tile(a.astype(jnp.float32), inv_sx, qmax, interpret)
         w = load_tile(w_ref, k0, bk, n0, bn, K, N)
         return acc + jnp.dot(a, w, preferred_element_type=jnp.int32)
 

@@ -166,11 +166,10 @@ def test_pallas_w8a8_reference_is_act_quant_matmul_bit_for_bit(m, k, n, gran, ac
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_xla_divides_by_a_broadcast_via_its_reciprocal():
-    """Why pallas_kernels spells its W8A8 arithmetic with reciprocals: XLA computes
-    quantize_activations' ``amax / qmax`` and ``x / s`` as ``amax * fl(1/qmax)`` and
-    ``x * fl(1/s)``, which differ from IEEE division for some inputs. If a jax upgrade changes
-    this, the bit-for-bit test above fails and this one says why."""
+def test_activation_codes_use_the_rounded_reciprocal():
+    """quantize_activations computes ``amax * fl(1/qmax)`` and ``x * fl(1/s)`` (the Pallas kernels'
+    arithmetic), which differ from IEEE division for some inputs; spelled out with the reciprocal
+    materialized, so no platform's compiler turns it back into ``x / s``."""
     rng = np.random.default_rng(3)
     x = _x(rng, 256, 512)
     qx, s = quantize_activations(x)
@@ -326,6 +325,45 @@ def test_linear_pallas_lowers_to_triton_for_cuda(m):
                             S((m, k), jnp.bfloat16))
         assert e.mlir_module().count(TRITON_CUSTOM_CALL) == calls
         assert e.out_avals[0].shape == (m, n) and e.out_avals[0].dtype == jnp.bfloat16
+
+
+def _zero_w4(k, n):
+    g = -(-k // 128)  # a ragged last group where 128 does not divide k (SmolLM2's 576)
+    return QArray(jnp.zeros((k // 2, n), jnp.uint8), jnp.ones((g, n), jnp.bfloat16),
+                  jnp.zeros((g, n), jnp.uint8), 4, False, per_group(0, 128), (k, n), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("m,k,n,calls", [(1, 4096, 4096, 1), (128, 4096, 4096, 1), (129, 4096, 4096, 0),
+                                         (1024, 4096, 4096, 0), (1, 2048, 8192, 1),
+                                         (1, 2048, 2048, 0)])
+def test_auto_backend_runs_the_w4a16_kernel_only_where_it_was_measured_faster(m, k, n, calls):
+    """backend="auto" lowered for CUDA: the Triton kernel only inside tuning.prefer_kernel's region
+    (decode-sized M on >= 4096 x 4096 weights' worth); prefill and smaller matrices stay on XLA."""
+    e = export_for_cuda(lambda x: linear(x, {"kernel": _zero_w4(k, n)}, backend="auto"), S((m, k), jnp.bfloat16))
+    assert e.mlir_module().count(TRITON_CUSTOM_CALL) == calls
+
+
+def test_auto_backend_keeps_w8a8_on_xla_and_equals_xla_off_cuda():
+    rng = np.random.default_rng(5)
+    q8 = _w8(rng, 4096, 256)
+    e = export_for_cuda(lambda x: linear(x, {"kernel": ActQuantKernel(q8)}, backend="auto"), S((1, 4096), jnp.bfloat16))
+    assert e.mlir_module().count(TRITON_CUSTOM_CALL) == 0  # slower or tied everywhere measured
+    x = _x(rng, 3, 4096)
+    w4 = quantize(jnp.asarray(rng.standard_normal((4096, 4096)), jnp.float32) * 0.02,
+                  QuantSpec(4, False, per_group(0, 128)))
+    for kernel in (ActQuantKernel(q8), w4):
+        with use_backend("auto"):
+            got = jax.jit(lambda x: linear(x, {"kernel": kernel}))(x)
+        want = jax.jit(lambda x: linear(x, {"kernel": kernel}, backend="xla"))(x)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_prefer_kernel_table():
+    assert pk.tuning.prefer_kernel("w4a16", 16, 8192, 8192)
+    assert not pk.tuning.prefer_kernel("w4a16", 16, 2048, 2048)
+    assert not pk.tuning.prefer_kernel("w8a8", 1, 4096, 4096)
+    with pytest.raises(ValueError, match="kernel kind"):
+        pk.tuning.prefer_kernel("w2", 1, 1, 1)
 
 
 def test_quantized_model_logits_pallas_interpret_equal_xla():

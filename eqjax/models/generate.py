@@ -8,17 +8,28 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from eqjax.linear import current_backend, use_backend
 from eqjax.models.cache import KVCache
 
 __all__ = ["generate", "greedy_step"]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "kv_quant"))
 def greedy_step(
     model: Any, params: Mapping[str, Any], tokens: jax.Array, cache: KVCache, kv_quant: Any = None
 ) -> tuple[jax.Array, KVCache]:
-    """Run ``tokens [B, T]`` through ``model`` with ``cache``; return (argmax of the last logits ``[B]``, cache)."""
-    logits, cache = model.apply(params, tokens, cache=cache, kv_quant=kv_quant)
+    """Run ``tokens [B, T]`` through ``model`` with ``cache``; return (argmax of the last logits ``[B]``, cache).
+
+    Jitted per model, KV quantizer and :func:`eqjax.linear.use_backend` backend: the backend is part of
+    the compiled step's key, so switching backends recompiles instead of reusing the other's program.
+    """
+    return _greedy_step(model, params, tokens, cache, kv_quant, current_backend())
+
+
+@functools.partial(jax.jit, static_argnames=("model", "kv_quant", "backend"))
+def _greedy_step(model: Any, params: Mapping[str, Any], tokens: jax.Array, cache: KVCache, kv_quant: Any,
+                 backend: str) -> tuple[jax.Array, KVCache]:
+    with use_backend(backend):
+        logits, cache = model.apply(params, tokens, cache=cache, kv_quant=kv_quant)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
 
 

@@ -25,6 +25,7 @@ from pallas_kernels import (
     w8a8_supports,
 )
 from pallas_kernels._common import round_half_even
+from pk_oracle import np_quantize as _np_quantize
 
 
 def _weights(rng, k, n, per_tensor=False):
@@ -39,20 +40,6 @@ def _x(rng, m, k, dtype=jnp.float32, zero_row=True):
     if zero_row and m > 2:
         x[1] = 0.0  # a zero row: scale 1, codes 0
     return jnp.asarray(x, dtype)
-
-
-def _np_quantize(x, qmax=127, scale=None):
-    """Independent oracle of the documented arithmetic, in numpy float32: ``s = absmax * fl(1/qmax)``,
-    ``q = clip(np.round(x * fl(1/s)))`` (np.round rounds half to even)."""
-    xf = np.asarray(jnp.asarray(x, jnp.float32))
-    one = np.float32(1)
-    if scale is None:
-        amax = np.max(np.abs(xf), axis=1)
-        s = np.where(amax > 0, amax * (one / np.float32(qmax)), one).astype(np.float32)
-    else:
-        s = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (xf.shape[0],))
-    q = np.clip(np.round(xf * (one / s)[:, None]), -qmax, qmax).astype(np.int64)
-    return q, s
 
 
 def _assert_within_ulp(got, want, bound, dtype):
@@ -70,6 +57,19 @@ def test_round_half_even_equals_jnp_round():
     x = jnp.asarray(np.concatenate([ties, big, np.asarray(near, np.float64), np.linspace(-3, 3, 97)]), jnp.float32)
     np.testing.assert_array_equal(np.asarray(round_half_even(x)), np.asarray(jnp.round(x)))
     np.testing.assert_array_equal(np.asarray(round_half_even(x)), np.round(np.asarray(x)))
+
+
+def test_a_product_just_below_a_tie_rounds_down():
+    """The case an H200 run found: a bfloat16 row with absmax 11.3125 and an element half of it.
+    ``x * fl(1/s)`` is 63.499996 (code 63); ``x / s`` would be exactly 63.5 (code 64). Reference,
+    interpreted kernel and oracle all take the documented product."""
+    row = np.zeros(64, np.float32)
+    row[:3] = [11.3125, 5.65625, -5.65625]
+    x = jnp.asarray(row[None, :], jnp.bfloat16)
+    qn, _ = _np_quantize(x)
+    assert list(qn[0, :3]) == [127, 63, -63]
+    for q, _ in (jax.jit(quantize_rows_xla)(x), quantize_rows(x, block_m=16, block_k=64, interpret=True)):
+        np.testing.assert_array_equal(np.asarray(q, np.int64), qn)
 
 
 @pytest.mark.parametrize("given", [False, True])

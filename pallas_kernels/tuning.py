@@ -126,4 +126,3 @@ def prefer_kernel(kind: str, m: int, k: int, n: int) -> bool:
     if kind == "w8a8":
         return False
     raise ValueError(f"unknown kernel kind {kind!r}")
-

@@ -11,6 +11,9 @@ Rows (all in one run, the same onnxruntime / onnxruntime-genai, the same token i
                   windows) + embedding / tied LM head int4 groups of 32 (RTN, asymmetric), exported with
                   ``export_package`` at MatMulNBits accuracy level 4 (``--target cpu-int8``) and 0
                   (``--target cpu``, the default)
+  eqjax-int4-rot (level 4 / level 0)  ``w4g128-rot-gptq+emb-int4``: the QuaRot rotation (residual folded,
+                  down_proj's input rotated online: Mul + two small MatMuls in the graph) + GPTQ W4 as above +
+                  the embedding and the (untied by the rotation) LM head int4 groups of 32
   eqjax-w8a8      ``w8a8-smoothquant`` (W8 per channel + A8 per token, MatMulIntegerToFloat u8 x u8: exact on
                   every x86 CPU), LM head float (Gemm)
   eqjax-w7a8      ``w7a8-smoothquant+emb-int8``: SmoothQuant alpha 0.6, W7 per channel (MSE-clipped) (int8 storage within
@@ -64,6 +67,7 @@ import numpy as np  # noqa: E402
 GENAI_VENV = Path("~/.cache/eqjax-genai").expanduser()
 W7A8 = "w7a8-smoothquant+emb-int8"
 W7A8_A8HEAD = "w7a8-smoothquant+emb-w7a8"
+ROT_INT4 = "w4g128-rot-gptq+emb-int4"
 GENAI_REQS = ["transformers==5.17.0", "onnx-ir==1.1.0"]
 
 
@@ -210,6 +214,11 @@ def main(argv=None) -> int:
         print(f"[onnx] GPTQ + embedding in {time.perf_counter() - t0:.0f}s", flush=True)
         ours("eqjax-int4-gptq", "GPTQ W4 asym g128 act-order + embedding/tied head int4 g32 asym (RTN)", qp,
              [(4, " (level 4)"), (0, " (level 0)")])
+        del qp
+    if want("eqjax-int4-rot"):
+        qp = quantize(params, get_recipe(ROT_INT4), model=model, calibration=cal, seed=0)
+        ours("eqjax-int4-rot", f"{ROT_INT4}: QuaRot rotation (down_proj's input rotated online in the graph) + GPTQ W4 "
+             "asym g128 + embedding and the untied head int4 g32", qp, [(4, " (level 4)"), (0, " (level 0)")])
         del qp
     if want("eqjax-w8a8"):
         qp = quantize(params, get_recipe("w8a8-smoothquant"), model=model, calibration=cal, seed=0)

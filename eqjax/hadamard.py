@@ -109,6 +109,13 @@ def _matrix(n: int) -> np.ndarray:
     return h
 
 
+def hadamard_factor_matrices(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(H_b, S_p)``, int64 ``[b, b]`` and ``[p, p]`` with ``H_n = kron(H_b, S_p)`` (``S_p`` the
+    symmetric Sylvester matrix): what :func:`hadamard_transform` multiplies by, for lowering it elsewhere."""
+    b, p = hadamard_factors(n)
+    return _base(b).copy(), _matrix(p).copy()
+
+
 def hadamard_matrix(n: int) -> np.ndarray:
     """The ``+-1`` Hadamard matrix ``H_n = kron(H_b, S_{2**a})`` (int64 ``[n, n]``, ``H H^T = n I``)."""
     return _matrix(n).copy()

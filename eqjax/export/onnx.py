@@ -60,12 +60,11 @@ def function_graph(fn: Any, params: Any, args: Sequence[Any], *, input_names: Se
     from eqjax.core.analysis import analyze  # noqa: PLC0415
     from eqjax.core.program import trace  # noqa: PLC0415
     from eqjax.export.fusions import find_fusions  # noqa: PLC0415
-    from eqjax.export.qlower import refuse_rotated  # noqa: PLC0415
+    from eqjax.export.qlower import export_params  # noqa: PLC0415
     from eqjax.export.walker import Walker  # noqa: PLC0415
-    from eqjax.pytree import flatten  # noqa: PLC0415
 
-    refuse_rotated(params)
-    prog = trace(fn, params, tuple(args), what="function")
+    traced, by_path = export_params(params)
+    prog = trace(fn, traced, tuple(args), what="function")
     an = analyze(prog)
     names = list(input_names or [f"input_{i}" for i in range(len(prog.args))])
     if len(names) != len(prog.args):
@@ -86,7 +85,7 @@ def function_graph(fn: Any, params: Any, args: Sequence[Any], *, input_names: Se
         g.inputs.append(value_info(nm, aval.dtype, dims))
         inputs[vid] = nm
     g.dim_sources = sources
-    w = Walker(prog, an, dict(flatten(params)), g, accuracy_level=accuracy_level,
+    w = Walker(prog, an, by_path, g, accuracy_level=accuracy_level,
                fused=find_fusions(prog, None, norms=fuse))
     outs = w.run(inputs)
     onames = list(output_names or (["y"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]))

@@ -53,17 +53,20 @@ CHECK_TEXT = "The quick brown fox jumps over the lazy dog, and the history of th
 """The self-check's prompt (natural text: activations as in use, which int8-activation levels depend on)."""
 
 
+def _steps(steps: Any) -> Any:
+    """A recipe's steps, a rotation's ``then`` steps included."""
+    for step in steps:
+        yield step
+        yield from _steps(getattr(step, "then", ()))
+
+
 def check_recipe(recipe: Any) -> None:
-    """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit,
-    online rotations)."""
+    """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit)."""
     if getattr(recipe, "kv", None) is not None:
         kv = recipe.kv
         raise ExportError(f"recipe {recipe.name!r} quantizes the KV cache (K{kv.key_bits}V{kv.value_bits}); the "
                           "exported graph keeps a float KV cache: export a recipe without 'kv'")
-    for step in getattr(recipe, "steps", ()):
-        if getattr(step, "online_down", False):
-            raise ExportError(f"recipe {recipe.name!r} rotates down_proj's input online (QuaRot); the ONNX graph "
-                              "has no lowering of the online Hadamard yet: export a recipe without rotation")
+    for step in _steps(getattr(recipe, "steps", ())):
         bits = {getattr(step, "bits", None)} | {getattr(r.weight, "bits", None) for r in getattr(step, "rules", ())
                                                 if getattr(r, "weight", None) is not None}
         if 3 in bits:
@@ -92,8 +95,7 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
 
     from eqjax.core.analysis import analyze  # noqa: PLC0415
     from eqjax.core.program import trace  # noqa: PLC0415
-    from eqjax.export.qlower import refuse_rotated  # noqa: PLC0415
-    from eqjax.pytree import flatten  # noqa: PLC0415
+    from eqjax.export.qlower import export_params  # noqa: PLC0415
 
     c = model.config
     L, Hkv, hd = c.n_layers, c.n_kv_heads, c.head_dim
@@ -101,12 +103,11 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
     b, t, s = jexport.symbolic_shape("batch, seq, cache", constraints=["cache >= seq"])
     args = (jax.ShapeDtypeStruct((b, t), np.int32), jax.ShapeDtypeStruct((L, b, Hkv, s, hd), np.float32),
             jax.ShapeDtypeStruct((L, b, Hkv, s, hd), np.float32), jax.ShapeDtypeStruct((), np.int32))
-    refuse_rotated(params)
-    prog = trace(_decode_step(model), params, args, what="decoder step")
+    traced, by_path = export_params(params)
+    prog = trace(_decode_step(model), traced, args, what="decoder step")
     if prog.opaque:
         raise ExportError(f"the decoder step has {len(prog.opaque)} loop/cond nodes over params; unroll them to export")
     an = analyze(prog)
-    by_path = dict(flatten(params))
 
     g = Graph({"batch": ("input_ids", 0), "seq": ("input_ids", 1), "cache": ("past_key_values.0.key", 2)})
     g.inputs += [value_info("input_ids", np.int64, ["batch_size", "sequence_length"]),

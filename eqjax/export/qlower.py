@@ -27,8 +27,11 @@ ActQuantKernel (W8A8)                  per-token int8 activations as :func:`eqja
 embedding gather, 2 / 4 / 8 bits       ``com.microsoft.GatherBlockQuantized`` (gather_axis 0,
                                        quantize_axis 1) on the *same* initializer as the tied LM head's
                                        MatMulNBits (reshaped), so a tied table is stored once
+online rotation (RotatedKernel)        the activation times ``Q = diag(signs) kron(H_b, S_p) / sqrt(n)``
+                                       as ``Mul`` (signs), ``MatMul`` by ``S_p / sqrt(n)`` and by ``H_b``
+                                       on ``[..., b, p]`` (the small factors, shared by every layer of
+                                       the width), then the inner kernel's lowering above
 =====================================  =================================================================
-
 3-bit weights have no onnxruntime kernel: :func:`check_exportable` refuses them before any work.
 """
 
@@ -44,7 +47,7 @@ from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 from eqjax.numerics import codes, expand_scale, integer_values
 from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel
 
-__all__ = ["Blocked", "blocked", "check_exportable", "refuse_rotated",
+__all__ = ["Blocked", "blocked", "check_exportable", "export_params", "emit_weight_matmul",
            "emit_matmul", "emit_gather", "W8A8_ZERO_POINT", "S8_WEIGHT_LIMIT",
            "w8a8_weight_codes", "w8a8_table", "emit_table_gather", "NBITS"]
 
@@ -53,19 +56,30 @@ W8A8_ZERO_POINT = 128
 """Zero point of both uint8 ``MatMulInteger`` operands of the W8A8 lowering (codes are ``q + 128``)."""
 
 
-def refuse_rotated(params: Any) -> None:
-    """:class:`ExportError` naming the first weight whose input is rotated online (a QuaRot
-    :class:`~eqjax.qarray.RotatedKernel`): the graph has no lowering of the online Hadamard yet."""
-    from eqjax.pytree import flatten  # noqa: PLC0415
+def export_params(params: Any) -> tuple[Any, dict[str, Any]]:
+    """``(params to trace, path -> leaf)``: a :class:`~eqjax.qarray.RotatedKernel` is traced as a float
+    array of its logical shape (the walker lowers its online rotation at the weight use,
+    :func:`emit_weight_matmul`) and kept whole in the path map."""
+    import jax  # noqa: PLC0415
 
-    for path, leaf in flatten(params, leaf_type=lambda x: isinstance(x, RotatedKernel)):
-        if isinstance(leaf, RotatedKernel):
-            raise ExportError(f"{path}: a weight with an online Hadamard rotation (QuaRot recipes, *-rot-*) cannot be "
-                              "exported to ONNX yet; export a recipe without rotation")
+    from eqjax.pytree import flatten, is_leaf  # noqa: PLC0415
+
+    def leaf(x: Any) -> bool:
+        return is_leaf(x) or isinstance(x, RotatedKernel)
+
+    traced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, RotatedKernel) else x,
+                          params, is_leaf=leaf)
+    return traced, dict(flatten(params, leaf_type=leaf))
 
 
 def check_exportable(path: str, leaf: Any) -> str:
-    """The lowering of a quantized leaf (``"nbits" | "dq" | "w8a8"``), or :class:`ExportError` naming it."""
+    """The lowering of a quantized leaf (``"nbits" | "dq" | "w8a8"``; a RotatedKernel's inner leaf's, or
+    ``"float"``), or :class:`ExportError` naming it."""
+    if isinstance(leaf, RotatedKernel):
+        if len(leaf.shape) != 2 or leaf.axis != 0:
+            raise ExportError(f"{path}: an online rotation is exported for a 2-D [in, out] weight rotated along its "
+                              f"input axis 0, got shape {tuple(leaf.shape)}, axis {leaf.axis}")
+        return check_exportable(path, leaf.kernel)
     if isinstance(leaf, ActQuantKernel):
         w = leaf.weight
         if not w.symmetric:
@@ -201,6 +215,40 @@ def emit_matmul(g: Graph, x: str, leaf: Any, use: Any, *, hint: str, accuracy_le
     if accuracy_level is not None:
         attrs["accuracy_level"] = int(accuracy_level)
     return g.op("MatMulNBits", [x] + _nbits_inputs(g, b, key, hint), domain=MS_DOMAIN, hint=hint, **attrs)
+
+
+def emit_rotation(g: Graph, x: str, leaf: RotatedKernel, rank: int, *, hint: str) -> str:
+    """``x [..., n] @ Q`` (``rank`` = x's rank) for a RotatedKernel's online Hadamard: what
+    :func:`eqjax.hadamard.hadamard_transform` computes, in ``O(n (b + p))`` per row."""
+    from eqjax.hadamard import hadamard_factor_matrices  # noqa: PLC0415
+
+    n = int(leaf.shape[leaf.axis])
+    hb, sp = hadamard_factor_matrices(n)
+    b, p = hb.shape[0], sp.shape[0]
+    keep = [0] * (rank - 1)  # Reshape's 0: copy that dimension
+    signs = g.memo(("rot-signs", n, leaf.seed), lambda: g.init(f"rotation.signs_{n}_{leaf.seed}", leaf.signs()))
+    y = g.op("Reshape", [g.op("Mul", [x, signs]), g.const(keep + [b, p], np.int64)])
+    s = g.memo(("rot-sylvester", p, n), lambda: g.init(f"rotation.sylvester_{p}_over_sqrt{n}",
+                                                        (sp / np.sqrt(n)).astype(np.float32)))
+    y = g.op("MatMul", [y, s])
+    if b > 1:
+        h = g.memo(("rot-base", b), lambda: g.init(f"rotation.hadamard_{b}", hb.astype(np.float32)))
+        perm = list(range(rank - 1)) + [rank, rank - 1]
+        y = g.op("Transpose", [g.op("MatMul", [g.op("Transpose", [y], perm=perm), h])], perm=perm)
+    return g.op("Reshape", [y, g.const(keep + [n], np.int64)], hint=hint + ".rotated")
+
+
+def emit_weight_matmul(g: Graph, x: str, leaf: Any, use: Any, rank: int, *, hint: str,
+                       accuracy_level: int | None) -> str:
+    """:func:`emit_matmul`, with a RotatedKernel's online rotation of ``x`` first (then its inner
+    kernel: quantized as there, or a float ``MatMul``)."""
+    if isinstance(leaf, RotatedKernel):
+        kind = check_exportable(use.path, leaf)
+        x, leaf = emit_rotation(g, x, leaf, rank, hint=hint), leaf.kernel
+        if kind == "float":
+            w = _matrix(np.asarray(leaf, np.float32), use.contracting, use.free).T
+            return g.op("MatMul", [x, g.init(hint + ".inner", np.ascontiguousarray(w))], hint=hint)
+    return emit_matmul(g, x, leaf, use, hint=hint, accuracy_level=accuracy_level)
 
 
 def emit_gather(g: Graph, ids: str, leaf: QArray, contracting: tuple[int, ...], free: tuple[int, ...], *,

@@ -30,8 +30,8 @@ from eqjax.core.analysis import Analysis
 from eqjax.core.views import bind, view_nodes
 from eqjax.core.program import Lit, Program, Ref
 from eqjax.export.graph import ExportError, Graph, onnx_dtype
-from eqjax.export.qlower import check_exportable, emit_gather, emit_matmul, emit_table_gather
-from eqjax.numerics import dequantize
+from eqjax.export.qlower import check_exportable, emit_gather, emit_table_gather, emit_weight_matmul
+from eqjax.numerics import dequantize_leaf
 from eqjax.qarray import ActQuantKernel, is_quantized
 
 __all__ = ["Stack", "Walker", "Fused"]
@@ -70,7 +70,7 @@ class Walker:
 
     Args:
       prog, an: the program and its analysis.
-      params: path -> float array, QArray or ActQuantKernel.
+      params: path -> float array, QArray, ActQuantKernel or RotatedKernel.
       g: the graph to fill.
       accuracy_level: MatMulNBits ``accuracy_level`` (None: the op's default).
       fused: the fusions to apply.
@@ -127,8 +127,7 @@ class Walker:
             leaf = self.params[path]
             if is_quantized(leaf):
                 self.dequantized.append(path)
-                q = leaf.weight if isinstance(leaf, ActQuantKernel) else leaf
-                arr = np.asarray(dequantize(q, np.float32))
+                arr = np.asarray(dequantize_leaf(leaf, np.float32))
             else:
                 arr = np.asarray(leaf)
                 if arr.dtype != np.float32 and np.issubdtype(arr.dtype, np.floating):
@@ -230,7 +229,8 @@ class Walker:
             x = self.g.op("Transpose", [x], perm=perm)
         if len(use.x_contracting) != 1:
             x = self.g.op("Reshape", [x, self.g.shape([xs[a] for a in others] + [use.k])])
-        y = emit_matmul(self.g, x, leaf, use, hint=use.path.replace("/", "."), accuracy_level=self.accuracy_level)
+        y = emit_weight_matmul(self.g, x, leaf, use, len(others) + 1, hint=use.path.replace("/", "."),
+                               accuracy_level=self.accuracy_level)
         self.counts["quantized_matmul"] = self.counts.get("quantized_matmul", 0) + 1
         out_shape = self.prog.avals[node.outs[0]].shape
         (lc, rc), (lb, rb) = node.params["dimension_numbers"]

@@ -66,6 +66,30 @@ def test_layer_kinds_match_eqjax_linear(name):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("k", [256, 96])  # 96 = 12 x 8: the Paley factor's MatMul too (SmolLM2: 12 x 128)
+@pytest.mark.parametrize("inner", ["fp", "w4-g32-asym", "w8a8-token"])
+def test_rotated_layer_matches_eqjax_linear(k, inner):
+    """A QuaRot RotatedKernel: the online Hadamard lowered as Mul + MatMuls by its small factors, then
+    the inner kernel's own lowering; onnxruntime's output against eqjax's ``linear``. W8A8 rounds the
+    rotated activation to int8 codes, where float32 summation-order differences can flip a code at a
+    tie: within one code per element there, float rounding elsewhere."""
+    from eqjax.qarray import RotatedKernel
+
+    w = W[:k] if k <= K else None
+    inner_k = {"fp": lambda: w, "w4-g32-asym": lambda: quantize(w, QuantSpec(4, False, per_group(0, 32), scale_dtype="float16")),
+               "w8a8-token": lambda: ActQuantKernel(quantize(w, QuantSpec(8, True, per_channel(-1))), None, 8, "token")}[inner]()
+    layer = {"kernel": RotatedKernel(inner_k, seed=5), "bias": BIAS}
+    x = X[:, :k]
+    ref = np.asarray(linear(jnp.asarray(x), layer))
+    m = linear_graph(layer, path="layers_0/mlp/down_proj")
+    onnx.checker.check_model(m)
+    rot = [n for n in m.graph.node if n.op_type == "MatMul" and any(i.startswith("rotation.") for i in n.input)]
+    assert len(rot) == (2 if k == 96 else 1)
+    y = make_session(m).run(None, {"x": x})[0]
+    tol = 1e-5 if inner != "w8a8-token" else 1.5 / 127
+    np.testing.assert_allclose(y, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
 def test_ort_default_qdq_rewrite_quantizes_activations():
     """ORT's default DQ->MatMul rewrite (accuracy level 4) is not exact; level 0 is (what we default to)."""
     layer = {"kernel": LAYERS["w8-per-channel"]()}

@@ -60,15 +60,26 @@ def _genai_greedy(d, prompt, new):
     return np.asarray(gen.get_sequence(0))
 
 
-@pytest.mark.parametrize("quant", ["fp32", "w4g32", "w7a8"])
+def _w4_rot(model, params):
+    from eqjax.recipe import quantize
+    from eqjax.recipes import get_recipe
+
+    cal = jax.random.randint(jax.random.key(0), (2, 16), 0, model.config.vocab)
+    return quantize(params, get_recipe("w4g128-rot-rtn"), model=model, calibration=cal)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "w4g32", "w7a8", "w4-rot"])
 def test_genai_generator_greedy_tokens_equal_eqjax(tiny, tmp_path, quant):
     """W4: Q/K/V packed into one MatMulNBits; W7A8 (a tied model, its head W8A8 too): one u8 x s8
-    MatMulIntegerToFloat per sibling group and for the head; both feed GQA directly (rotary inside)."""
+    MatMulIntegerToFloat per sibling group and for the head; both feed GQA directly (rotary inside).
+    W4 with rotation (QuaRot): down_proj's input rotated online, intermediate 96 = 12 x 8 (a Paley
+    factor as SmolLM2's 1536 = 12 x 128)."""
     model, params, tok = tiny
-    if quant == "w7a8":
-        model = Model(dataclasses.replace(model.config, tie_word_embeddings=True))
+    if quant in ("w7a8", "w4-rot"):
+        model = Model(dataclasses.replace(model.config, tie_word_embeddings=True,
+                                          intermediate=96 if quant == "w4-rot" else model.config.intermediate))
         params = model.init_params(jax.random.key(3), std=0.1)
-    qp = {"fp32": lambda m, p: p, "w4g32": _w4, "w7a8": _w7a8}[quant](model, params)
+    qp = {"fp32": lambda m, p: p, "w4g32": _w4, "w7a8": _w7a8, "w4-rot": _w4_rot}[quant](model, params)
     d = tmp_path / "pkg"
     man = export_package(model, qp, d, tokenizer=tok, target="cpu", context_length=64)
     assert man["fused"].get("GroupQueryAttention") == 2 and man["check"]["max_rel_diff"] <= man["check"]["tolerance"]
@@ -79,6 +90,12 @@ def test_genai_generator_greedy_tokens_equal_eqjax(tiny, tmp_path, quant):
     ops = [n.op_type for n in proto.graph.node]
     assert man["packed_attention"] == (0 if quant == "fp32" else 2)
     assert ops.count("RotaryEmbedding") == (4 if quant == "fp32" else 0)
+    if quant == "w4-rot":  # per layer: down_proj's input times the 8 x 8 Sylvester and the 12 x 12 Paley factor
+        from eqjax.qarray import RotatedKernel
+
+        assert all(isinstance(qp[f"layers_{i}"]["mlp"]["down_proj"]["kernel"], RotatedKernel) for i in range(2))
+        rot = [n for n in proto.graph.node if n.op_type == "MatMul" and any(i.startswith("rotation.") for i in n.input)]
+        assert len(rot) == 4 and ops.count("MatMulNBits") >= 6
     if quant == "w7a8":  # 2 layers x (QKV, gate/up, o, down) + the head, every weight int8 within +-64
         mm = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
         inits = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
@@ -116,23 +133,10 @@ def test_existing_package_kept_without_overwrite(tiny, tmp_path):
                                                    "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
 
 
-@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit"),
-                                         ("w4g128-rot-gptq", r"rotates down_proj's input online")])
+@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit")])
 def test_unrepresentable_recipes_are_refused_before_work(name, match):
     with pytest.raises(ExportError, match=match):
         recipe_for_export(name)
-
-
-def test_rotated_params_are_refused_with_the_weight_named(tiny, tmp_path):
-    from eqjax.recipe import quantize
-    from eqjax.recipes import get_recipe
-
-    model, params, tok = tiny
-    cal = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
-    q = quantize(params, get_recipe("w4g128-rot-rtn"), model=model, calibration=cal)
-    with pytest.raises(ExportError, match=r"layers_0/mlp/down_proj/kernel: a weight with an online Hadamard"):
-        export_package(model, q, tmp_path / "pkg", tokenizer=tok, check=False)
-    assert not (tmp_path / "pkg").exists()
 
 
 def test_self_check_with_int8_activations_catches_a_wrong_graph(tiny, tmp_path):

@@ -40,9 +40,10 @@ residual stream), already-quantized weights, widths without a Hadamard order for
 transform (``online_down=False`` then works).
 
 Not done: learned rotations (SpinQuant's Cayley-SGD on the Stiefel manifold); the post-RoPE online
-query/key Hadamard and rotated KV-cache quantization; ONNX / GGUF export of a model holding a
-:class:`~eqjax.qarray.RotatedKernel` (refused, naming the weight: no lowering of the online Hadamard).
-Orbax checkpoints keep the leaf; the HF writer folds the rotation into a float weight.
+query/key Hadamard and rotated KV-cache quantization; GGUF export of a model holding a
+:class:`~eqjax.qarray.RotatedKernel` (refused, naming the weight). Orbax checkpoints keep the leaf;
+the HF writer folds the rotation into a float weight; the ONNX export lowers the online Hadamard
+(:func:`eqjax.export.qlower.emit_rotation`).
 
 Measured on SmolLM2 (bench/results/quality_rotation.md, 8 x 1024 eval tokens, 16 x 512 calibration):
 rotation helps W8A8 with per-token int8 activations (+0.28 % vs +2.86 % over FP) and GPTQ W4 g128

@@ -75,7 +75,7 @@ def test_rotated_layer_matches_eqjax_linear(k, inner):
     tie: within one code per element there, float rounding elsewhere."""
     from eqjax.qarray import RotatedKernel
 
-    w = W[:k] if k <= K else None
+    w = W[:k]
     inner_k = {"fp": lambda: w, "w4-g32-asym": lambda: quantize(w, QuantSpec(4, False, per_group(0, 32), scale_dtype="float16")),
                "w8a8-token": lambda: ActQuantKernel(quantize(w, QuantSpec(8, True, per_channel(-1))), None, 8, "token")}[inner]()
     layer = {"kernel": RotatedKernel(inner_k, seed=5), "bias": BIAS}

@@ -139,6 +139,24 @@ def test_unrepresentable_recipes_are_refused_before_work(name, match):
         recipe_for_export(name)
 
 
+def test_a_rotated_recipe_is_checked_inside_its_rotation():
+    """A rotation's ``then`` steps are checked like top-level ones (3-bit refused before any work), and
+    a rotation the lowering does not cover is refused naming the weight."""
+    import jax.numpy as jnp
+
+    from eqjax.export.package import check_recipe
+    from eqjax.export.qlower import check_exportable
+    from eqjax.methods.rotation import Rotation
+    from eqjax.methods.rtn import RTN
+    from eqjax.qarray import RotatedKernel
+    from eqjax.recipe import Recipe
+
+    with pytest.raises(ExportError, match="3-bit"):
+        check_recipe(Recipe("rot-w3", (Rotation(then=(RTN((weight_rule(3, symmetric=False, group=128),)),)),)))
+    with pytest.raises(ExportError, match=r"blk/w: an online rotation .* axis 1"):
+        check_exportable("blk/w", RotatedKernel(jnp.ones((8, 8)), seed=0, axis=1))
+
+
 def test_self_check_with_int8_activations_catches_a_wrong_graph(tiny, tmp_path):
     """W8A8: the package's self-check passes for the exported params (within eqjax's own one-ulp spread)
     and fails for a graph whose weights differ from the params eqjax runs."""

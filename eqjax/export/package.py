@@ -60,8 +60,25 @@ def _steps(steps: Any) -> Any:
         yield from _steps(getattr(step, "then", ()))
 
 
+def _asymmetric_w8a8(step: Any, act: bool = False) -> bool:
+    """Whether ``step`` (or a rotation's ``then`` step under its ``act_bits``) makes asymmetric weights
+    with quantized activations, which the MatMulInteger lowering cannot take."""
+    act = act or getattr(step, "act_bits", None) is not None
+    if act and getattr(step, "symmetric", True) is False:
+        return True
+    for r in getattr(step, "rules", ()):
+        w = getattr(r, "weight", None)
+        if w is not None and (act or getattr(r, "act_bits", None) is not None) and not w.symmetric:
+            return True
+    return any(_asymmetric_w8a8(t, act) for t in getattr(step, "then", ()))
+
+
 def check_recipe(recipe: Any) -> None:
-    """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit)."""
+    """Refuse, before any work, recipes the export cannot represent (KV-cache quantization, 3-bit,
+    quantized activations with asymmetric weights)."""
+    if any(_asymmetric_w8a8(s) for s in getattr(recipe, "steps", ())):
+        raise ExportError(f"recipe {recipe.name!r} quantizes activations with asymmetric weights; the W8A8 lowering "
+                          "(MatMulInteger) needs symmetric weights: export a symmetric recipe")
     if getattr(recipe, "kv", None) is not None:
         kv = recipe.kv
         raise ExportError(f"recipe {recipe.name!r} quantizes the KV cache (K{kv.key_bits}V{kv.value_bits}); the "

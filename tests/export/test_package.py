@@ -133,7 +133,8 @@ def test_existing_package_kept_without_overwrite(tiny, tmp_path):
                                                    "model.onnx.data", "tokenizer.json", "tokenizer_config.json"]
 
 
-@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit")])
+@pytest.mark.parametrize("name, match", [("kv4", r"'kv4' quantizes the KV cache"), ("w3g128-rtn", r"3-bit"),
+                                         ("w4a8-rot-gptq", r"activations with asymmetric weights")])
 def test_unrepresentable_recipes_are_refused_before_work(name, match):
     with pytest.raises(ExportError, match=match):
         recipe_for_export(name)
@@ -150,9 +151,12 @@ def test_a_rotated_recipe_is_checked_inside_its_rotation():
     from eqjax.methods.rtn import RTN
     from eqjax.qarray import RotatedKernel
     from eqjax.recipe import Recipe
+    from eqjax.recipes import get_recipe
 
     with pytest.raises(ExportError, match="3-bit"):
         check_recipe(Recipe("rot-w3", (Rotation(then=(RTN((weight_rule(3, symmetric=False, group=128),)),)),)))
+    for name in ("w8a8-rot", "w4g128-rot-gptq", "w7a8-smoothquant", "w4a8-zeroquant-lkd", "w8a8-naive"):
+        check_recipe(get_recipe(name))  # symmetric W8A8, or weight-only: exportable
     with pytest.raises(ExportError, match=r"blk/w: an online rotation .* axis 1"):
         check_exportable("blk/w", RotatedKernel(jnp.ones((8, 8)), seed=0, axis=1))
 

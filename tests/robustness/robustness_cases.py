@@ -702,11 +702,14 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     # enough recipes after the second row that the kill lands before the run ends, even on a loaded machine
     names = "fp,w8,w4g128-rtn,w8a8-naive,w8-absmax,w8-zeropoint,w4g128-rtn-sym,w8a8-zeroquant"
-    # Ctrl-C as a user's shell delivers it: the child starts with SIGINT at its default even if something
-    # earlier in this test process left it ignored (an ignored SIGINT is inherited across exec)
+    # Ctrl-C as a user's shell delivers it: the child starts with SIGINT at its default and unblocked even
+    # if something earlier in this test process left it ignored or blocked (both are inherited across exec)
+    def as_a_shell() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     p = subprocess.Popen([sys.executable, *_run_cmd(fx, out, names)], cwd=str(ROOT),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=as_a_shell)
     rows = out / "rows.jsonl"
     t0 = time.time()
     while time.time() - t0 < 180:
@@ -719,7 +722,8 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
     err = p.stderr.read()
     if sig == signal.SIGINT:
         if p.returncode != 130 or "--resume" not in err.strip().splitlines()[-1]:
-            return f"Ctrl-C: exit {p.returncode}, last line {err.strip().splitlines()[-1:]}"
+            swallowed = [x for x in err.splitlines() if "Exception ignored" in x or "KeyboardInterrupt" in x][:3]
+            return f"Ctrl-C: exit {p.returncode}, last line {err.strip().splitlines()[-1:]}; {swallowed or 'no trace of it'}"
     kept = [json.loads(x) for x in rows.read_text().splitlines()[1:] if x.strip().endswith("}")]
     if not kept:
         return "loss: no finished row kept after the kill"

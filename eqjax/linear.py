@@ -273,12 +273,14 @@ def _auto(x2: jax.Array, kernel: Any, bias: jax.Array | None) -> jax.Array | Non
     CUDA); None when the XLA path is the only choice."""
     from pallas_kernels import tuning  # noqa: PLC0415 - deferred, as in _pallas_op
 
-    op = _pallas_op(x2, kernel)
-    if isinstance(op, str):
+    if x2.ndim != 2 or not isinstance(kernel, (ActQuantKernel, QArray)):
         return None
     kind = "w8a8" if isinstance(kernel, ActQuantKernel) else "w4a16"
     (m, k), n = x2.shape, kernel_shape(kernel)[1]
-    if not tuning.prefer_kernel(kind, m, k, n):
+    if not tuning.prefer_kernel(kind, m, k, n):  # decided first: no kernel operands built for nothing
+        return None
+    op = _pallas_op(x2, kernel)
+    if isinstance(op, str):
         return None
     return jax.lax.platform_dependent(
         x2, cuda=lambda x: op(bias=bias, out_dtype=x.dtype), default=lambda x: _xla_matmul(x, kernel, bias))

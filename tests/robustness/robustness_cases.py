@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+_ENV_AT_IMPORT = dict(os.environ)  # to name what earlier tests left in the environment a child inherits
 _MAIN_LOCK = threading.Lock()  # eqjax.cli.main in this process: one at a time (pyplot, redirected stdio)
 OUTCOMES = ("clear error", "correct", "silent", "loss", "traceback", "crash")
 
@@ -718,12 +719,15 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
         if p.poll() is not None:
             return f"the run ended before it could be killed: {p.stderr.read()[-300:]}"
         time.sleep(0.05)
+    masks = _signal_masks(p.pid)
     _kill(p, sig)
     err = p.stderr.read()
     if sig == signal.SIGINT:
         if p.returncode != 130 or "--resume" not in err.strip().splitlines()[-1]:
             swallowed = [x for x in err.splitlines() if "Exception ignored" in x or "KeyboardInterrupt" in x][:3]
-            return f"Ctrl-C: exit {p.returncode}, last line {err.strip().splitlines()[-1:]}; {swallowed or 'no trace of it'}"
+            return (f"Ctrl-C: exit {p.returncode}, last line {err.strip().splitlines()[-1:]}; "
+                    f"{swallowed or 'no trace of it'}; child before the signal: {masks}; environment changed "
+                    f"since import: {_env_changes()}")
     kept = [json.loads(x) for x in rows.read_text().splitlines()[1:] if x.strip().endswith("}")]
     if not kept:
         return "loss: no finished row kept after the kill"
@@ -737,6 +741,27 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
     if res[0]["ppl"] != kept[0]["row"]["ppl"]:
         return "loss: a kept row was measured again"
     return None
+
+
+def _signal_masks(pid: int) -> str:
+    """The child's SIGINT state per thread from /proc (blocked / ignored / caught), for a failure message."""
+    bit = 1 << (signal.SIGINT - 1)
+    out = []
+    try:
+        for task in sorted(pathlib.Path(f"/proc/{pid}/task").iterdir()):
+            f = dict(x.split(":\t", 1) for x in (task / "status").read_text().splitlines() if ":\t" in x)
+            flags = [k for k in ("SigBlk", "SigIgn", "SigCgt") if int(f.get(k, "0"), 16) & bit]
+            if task.name == str(pid) or flags != ["SigCgt"]:
+                out.append(f"{task.name}({f.get('Name', '?').strip()}):{'+'.join(flags) or 'default'}")
+    except OSError as e:
+        return f"unreadable ({e})"
+    return ", ".join(out) + f" ({len(list(pathlib.Path(f'/proc/{pid}/task').iterdir()))} threads)"
+
+
+def _env_changes() -> dict[str, str | None]:
+    now = dict(os.environ)
+    return {k: now.get(k) for k in sorted(set(now) | set(_ENV_AT_IMPORT))
+            if now.get(k) != _ENV_AT_IMPORT.get(k) and k != "PYTEST_CURRENT_TEST"}
 
 
 def _kill_run_sigint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:

@@ -78,10 +78,15 @@ def _lkd(name: str, bits: int) -> Recipe:
                   f"ZeroQuant W{bits} group-64 symmetric + A8 per token, layer-by-layer distillation (Adam)")
 
 
-def _kv(name: str, description: str, kb: int, vb: int, outliers: float = 0.0) -> Recipe:
+def _kv(name: str, description: str, kb: int, vb: int, outliers: float = 0.0, **kw: Any) -> Recipe:
     from eqjax.methods.kvquant import KVQuant  # noqa: PLC0415
 
-    return Recipe(name, (), description, kv=KVQuant(kb, vb, outliers, sink_tokens=1, key_group=32, value_group=32))
+    return Recipe(name, (), description, kv=KVQuant(kb, vb, outliers, sink_tokens=1, key_group=32, value_group=32, **kw))
+
+
+# 2-bit non-uniform levels (positions in each block's range): the best of bench/kv_levels.py's candidates
+# on the calibration half of the text (bench/results/kv_levels.md), never on the evaluation tokens
+KV2_LEVELS = (0.1, 0.36, 0.64, 0.9)
 
 
 RECIPES: dict[str, Callable[[], Recipe]] = {
@@ -119,6 +124,12 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "kv3-outliers": lambda: _kv("kv3-outliers", "KV cache int3, groups of 32, sink kept, + 1% float16 outliers; weights float", 3, 3, 0.01),
     "kv2": lambda: _kv("kv2", "KV cache int2, groups of 32, sink kept, no outliers; weights float", 2, 2),
     "kv2-outliers": lambda: _kv("kv2-outliers", "KV cache int2, groups of 32, sink kept, + 1% float16 outliers; weights float", 2, 2, 0.01),
+    "kv2-nuq": lambda: _kv("kv2-nuq", "KV cache int2 on non-uniform levels (0.1, 0.36, 0.64, 0.9 of each range), groups of 32, "
+                           "sink kept, + 1% float16 outliers; weights float", 2, 2, 0.01, key_levels=KV2_LEVELS,
+                           value_levels=KV2_LEVELS),
+    "kv2-nuq-recent": lambda: _kv("kv2-nuq-recent", "kv2-nuq + each query's still-filling 32-token block in float16 "
+                                  "(KIVI's residual); weights float", 2, 2, 0.01, key_levels=KV2_LEVELS,
+                                  value_levels=KV2_LEVELS, recent_float=True),
     # GPTQ / AWQ (eqjax.methods.gptq, eqjax.methods.awq): groups of 128 with a short last group where 128
     # does not divide the input width (576 = 4 x 128 + 64), the same layout as the RTN recipes.
     "w4g128-gptq": lambda: Recipe("w4g128-gptq", (_gptq(bits=4),), "GPTQ W4 asymmetric, group 128, act-order"),

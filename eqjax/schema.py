@@ -252,6 +252,9 @@ KV_FIELDS: dict[str, Checker] = {
     "sink_tokens": Int(0, 1 << 20),
     "key_group": Optional(Int(1, 1 << 20)),
     "value_group": Optional(Int(1, 1 << 20)),
+    "key_levels": Optional(List(Float(0.0, 1.0), nonempty=True, what="a list of levels in [0, 1]")),
+    "value_levels": Optional(List(Float(0.0, 1.0), nonempty=True, what="a list of levels in [0, 1]")),
+    "recent_float": Bool(),
 }
 
 

@@ -55,7 +55,8 @@ __all__ = ["save_quantized", "load_quantized", "read_manifest", "FORMAT_VERSION"
 
 FORMAT_VERSION = 2
 _MANIFEST = "eqjax.json"
-_KV_FIELDS = ("key_bits", "value_bits", "outlier_fraction", "sink_tokens", "key_group", "value_group")
+_KV_FIELDS = ("key_bits", "value_bits", "outlier_fraction", "sink_tokens", "key_group", "value_group", "key_levels",
+              "value_levels", "recent_float")
 
 
 def _qarray_meta(q: QArray) -> dict[str, Any]:

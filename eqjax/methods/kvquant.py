@@ -22,6 +22,17 @@ Numerics (both keys and values, ``b`` bits, asymmetric uniform grid, ``q = 2**b 
   range is computed without them. Static keys: entries outside the calibrated ``[f/2, 1 - f/2]``
   per-channel quantiles are outliers.
 * Sink tokens: the first ``sink_tokens`` *positions* are kept in float16 and excluded from key ranges.
+* Non-uniform levels (``key_levels`` / ``value_levels``, KVQuant's "NUQ" idea without its per-layer
+  fit): ``2**b`` sorted positions ``c_j`` in ``[0, 1]`` of the same ``[lo, lo + q * scale]`` range;
+  ``code`` = the nearest ``c_j`` (a tie goes to the lower one), ``x_hat = lo + c_code * q * scale``.
+  The codes take the same ``b`` bits; the levels are one table per model (not per token). At 2 bits the
+  uniform grid spends two of its four levels on the block's minimum and maximum, which only the
+  extreme entries use.
+* Float recent block (``recent_float``, KIVI's residual; needs ``key_group``): a cache quantizes a key
+  block only once its ``key_group`` tokens are all written, so until then they are float16. Evaluating a
+  whole window, query ``i`` therefore reads keys and values of its own block (positions
+  ``i - i % key_group .. i``) as float16 and the earlier blocks quantized; this also makes every key
+  range causal. :func:`kv_bytes` counts one block of float16 keys and values on top of the codes.
 
 The model's hook is ``keys(k)`` / ``values(v)`` with no layer index and no positions: an unbound
 quantizer assumes the call's tokens start at position 0 (true for perplexity windows) and can only
@@ -70,10 +81,36 @@ def _qparams(lo: jax.Array, hi: jax.Array, bits: int) -> tuple[jax.Array, jax.Ar
     return lo16, scale
 
 
-def _grid(x: jax.Array, lo: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
+def _grid(x: jax.Array, lo: jax.Array, scale: jax.Array, bits: int, levels: tuple[float, ...] | None = None) -> jax.Array:
+    """``x`` rounded to the grid of ``[lo, lo + (2**bits - 1) * scale]``: uniform, or the nearest of
+    ``levels`` (positions in [0, 1] of that range; ties to the lower level)."""
     qmax = 2**bits - 1
-    code = jnp.clip(jnp.round((x - lo) / scale), 0, qmax)
-    return lo + code * scale
+    if levels is None:
+        code = jnp.clip(jnp.round((x - lo) / scale), 0, qmax)
+        return lo + code * scale
+    c = np.asarray(levels, np.float64)
+    mids = ((c[1:] + c[:-1]) / 2).astype(np.float32)
+    t = (x - lo) / (scale * qmax)
+    code = jnp.sum(t[..., None] > jnp.asarray(mids), axis=-1)
+    return lo + jnp.asarray(c.astype(np.float32))[code] * (scale * qmax)
+
+
+def check_levels(levels: Any, bits: int, what: str) -> tuple[float, ...] | None:
+    """``levels`` as a tuple of ``2**bits`` increasing floats in [0, 1] (None stays None); ValueError
+    naming ``what`` otherwise."""
+    if levels is None:
+        return None
+    try:
+        c = tuple(float(v) for v in levels)
+    except (TypeError, ValueError):
+        raise ValueError(f"KVQuant {what} must be a list of numbers, got {levels!r}") from None
+    if bits == 16:
+        raise ValueError(f"KVQuant {what} given for a side kept in float (bits 16)")
+    if len(c) != 2**bits:
+        raise ValueError(f"KVQuant {what} needs 2**{bits} = {2**bits} levels, got {len(c)}")
+    if not all(0.0 <= v <= 1.0 for v in c) or any(b <= a for a, b in zip(c, c[1:])):
+        raise ValueError(f"KVQuant {what} must increase strictly within [0, 1], got {list(c)}")
+    return c
 
 
 def _topk_mask(mag: jax.Array, k: int, axis: int) -> jax.Array:
@@ -88,19 +125,20 @@ def _topk_mask(mag: jax.Array, k: int, axis: int) -> jax.Array:
 
 
 def kv_fake_quant_channels(
-    x: jax.Array, bits: int, *, n_outliers: int = 0, keep: jax.Array | None = None, group: int | None = None
+    x: jax.Array, bits: int, *, n_outliers: int = 0, keep: jax.Array | None = None, group: int | None = None,
+    levels: tuple[float, ...] | None = None,
 ) -> jax.Array:
     """Fake-quantize ``x [B, T, H, hd]`` per channel (one range per (B, H, hd) over T).
 
     ``keep [T]`` marks tokens kept in float16 (sinks; excluded from the range); the ``n_outliers``
     largest-magnitude non-kept entries of each channel (over all T) are kept in float16 too.
     ``group``: one range per block of ``group`` consecutive tokens instead of one over T (the last
-    block may be shorter), computed without the kept entries.
+    block may be shorter), computed without the kept entries. ``levels``: non-uniform grid (module docs).
     """
     B, T, H, hd = x.shape
     keep_b = None if keep is None else keep[None, :, None, None]
     if group is None or T <= group:
-        return _channels(x, bits, n_outliers, keep_b)
+        return _channels(x, bits, n_outliers, keep_b, levels)
     # Outliers are chosen per channel over all T; each block's range then excludes them.
     exact = jnp.zeros(x.shape, bool) if keep_b is None else jnp.broadcast_to(keep_b, x.shape)
     if n_outliers > 0:
@@ -109,11 +147,12 @@ def kv_fake_quant_channels(
     pad = nb * group - T
     xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     ep = jnp.pad(exact, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=True)  # padding: not in ranges
-    yb = _channels(xp.reshape(B * nb, group, H, hd), bits, 0, ep.reshape(B * nb, group, H, hd))
+    yb = _channels(xp.reshape(B * nb, group, H, hd), bits, 0, ep.reshape(B * nb, group, H, hd), levels)
     return yb.reshape(B, nb * group, H, hd)[:, :T]
 
 
-def _channels(x: jax.Array, bits: int, n_outliers: int, keep: jax.Array | None) -> jax.Array:
+def _channels(x: jax.Array, bits: int, n_outliers: int, keep: jax.Array | None,
+              levels: tuple[float, ...] | None = None) -> jax.Array:
     """Per-channel fake quantization over axis 1; ``keep`` broadcasts to ``x`` (True = float16)."""
     xf = x.astype(jnp.float32)
     keep_b = jnp.zeros(xf.shape, bool) if keep is None else jnp.broadcast_to(keep, xf.shape)
@@ -123,12 +162,13 @@ def _channels(x: jax.Array, bits: int, n_outliers: int, keep: jax.Array | None) 
     lo = jnp.min(jnp.where(exact, jnp.inf, xf), axis=1, keepdims=True)
     hi = jnp.max(jnp.where(exact, -jnp.inf, xf), axis=1, keepdims=True)
     lo16, scale = _qparams(lo, hi, bits)
-    xq = _grid(xf, lo16, scale, bits)
+    xq = _grid(xf, lo16, scale, bits, levels)
     xq = jnp.where(exact, xf.astype(_F16).astype(jnp.float32), xq)
     return xq.astype(x.dtype)
 
 
-def _fake_quant_tokens(x: jax.Array, bits: int, *, n_outliers: int = 0, keep: jax.Array | None = None) -> jax.Array:
+def _fake_quant_tokens(x: jax.Array, bits: int, *, n_outliers: int = 0, keep: jax.Array | None = None,
+                       levels: tuple[float, ...] | None = None) -> jax.Array:
     """Values: one range per (B, T, H) over hd; outliers chosen per token over all heads."""
     B, T, H, hd = x.shape
     xf = x.astype(jnp.float32)
@@ -137,7 +177,7 @@ def _fake_quant_tokens(x: jax.Array, bits: int, *, n_outliers: int = 0, keep: ja
     lo = jnp.min(jnp.where(out, jnp.inf, xf), axis=3, keepdims=True)
     hi = jnp.max(jnp.where(out, -jnp.inf, xf), axis=3, keepdims=True)
     lo16, scale = _qparams(lo, hi, bits)
-    xq = _grid(xf, lo16, scale, bits)
+    xq = _grid(xf, lo16, scale, bits, levels)
     exact = out if keep is None else out | keep[None, :, None, None]
     xq = jnp.where(exact, xf.astype(_F16).astype(jnp.float32), xq)
     return xq.astype(x.dtype)
@@ -161,6 +201,9 @@ class KVQuant:
         None: one per kv head).
       key_ranges: static per-layer per-channel key ranges ``((lo..., hi...), ...)`` (one
         ``(tuple[Hkv*hd], tuple[Hkv*hd])`` per layer) from :func:`calibrate_kv`; None = dynamic.
+      recent_float: a query reads its own still-filling key block in float16 (module docs).
+      key_levels, value_levels: non-uniform grids (``2**bits`` increasing positions in [0, 1] of each
+        range, module docs); None = uniform.
       layer: the bound layer index (set by :meth:`bind`), else None.
       start: position of the call's first token (set by :meth:`bind`); an int or a traced scalar.
     """
@@ -172,6 +215,9 @@ class KVQuant:
     key_group: int | None = None
     value_group: int | None = None
     key_ranges: tuple | None = dataclasses.field(default=None, repr=False)
+    key_levels: tuple[float, ...] | None = None
+    value_levels: tuple[float, ...] | None = None
+    recent_float: bool = False
     layer: int | None = None
     start: Any = 0
     name: str = "kvquant"
@@ -187,13 +233,18 @@ class KVQuant:
         for side, g in (("key_group", self.key_group), ("value_group", self.value_group)):
             if g is not None and not (isinstance(g, (int, np.integer)) and g >= 1):
                 raise ValueError(f"KVQuant {side} must be a positive int or None, got {g!r}")
+        if self.recent_float and (self.key_group is None or self.key_ranges is not None):
+            raise ValueError("KVQuant recent_float needs dynamic keys in blocks (key_group) and no static key ranges")
+        object.__setattr__(self, "key_levels", check_levels(self.key_levels, self.key_bits, "key_levels"))
+        object.__setattr__(self, "value_levels", check_levels(self.value_levels, self.value_bits, "value_levels"))
 
     # ------------------------------------------------------------------ config
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "KVQuant":
         """From a recipe file's ``kv`` table: ``{key_bits, value_bits, outlier_fraction?, sink_tokens?}``."""
         d = dict(d)
-        known = {"key_bits", "value_bits", "bits", "outlier_fraction", "sink_tokens", "key_group", "value_group"}
+        known = {"key_bits", "value_bits", "bits", "outlier_fraction", "sink_tokens", "key_group", "value_group",
+                 "key_levels", "value_levels", "recent_float"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown kv key(s) {sorted(unknown)}; allowed: {sorted(known)}")
@@ -202,13 +253,20 @@ class KVQuant:
         vb = int(d.pop("value_bits", bits if bits is not None else 4))
         kg, vg = d.pop("key_group", None), d.pop("value_group", None)
         return cls(kb, vb, float(d.pop("outlier_fraction", 0.0)), int(d.pop("sink_tokens", 0)),
-                   key_group=None if kg is None else int(kg), value_group=None if vg is None else int(vg))
+                   key_group=None if kg is None else int(kg), value_group=None if vg is None else int(vg),
+                   key_levels=d.pop("key_levels", None), value_levels=d.pop("value_levels", None),
+                   recent_float=bool(d.pop("recent_float", False)))
 
     def bind(self, layer: int, start: Any = 0) -> "KVQuant":
         """This quantizer for layer ``layer`` with the call's first token at position ``start``."""
         if self.key_ranges is not None and not 0 <= layer < len(self.key_ranges):
             raise ValueError(f"KVQuant has static key ranges for {len(self.key_ranges)} layers, not layer {layer}")
         return dataclasses.replace(self, layer=layer, start=start)
+
+    @property
+    def float_block(self) -> int:
+        """Tokens per float recent block (``key_group`` with ``recent_float``), else 0 (models' attention)."""
+        return int(self.key_group) if self.recent_float else 0
 
     @property
     def is_static(self) -> bool:
@@ -229,7 +287,8 @@ class KVQuant:
         keep = self._keep(T)
         if self.key_ranges is None:
             n_out = _n_out(self.outlier_fraction, T - min(self.sink_tokens, T) if keep is not None else T)
-            return kv_fake_quant_channels(k, self.key_bits, n_outliers=n_out, keep=keep, group=self.key_group)
+            return kv_fake_quant_channels(k, self.key_bits, n_outliers=n_out, keep=keep, group=self.key_group,
+                                          levels=self.key_levels)
         if self.layer is None:
             raise ValueError(
                 "KVQuant with static (calibrated) key ranges needs a layer index: use kv_apply(...) or "
@@ -241,7 +300,7 @@ class KVQuant:
         hi = jnp.asarray(np.asarray(hi_t, np.float32).reshape(shape))
         kf = k.astype(jnp.float32)
         lo16, scale = _qparams(lo, hi, self.key_bits)
-        kq = _grid(kf, lo16, scale, self.key_bits)
+        kq = _grid(kf, lo16, scale, self.key_bits, self.key_levels)
         exact = jnp.zeros(kf.shape, bool)
         if self.outlier_fraction > 0:
             exact = (kf < lo) | (kf > hi)
@@ -260,7 +319,7 @@ class KVQuant:
             raise ValueError(f"KVQuant value_group {g} must divide the head dim {hd}")
         vq = _fake_quant_tokens(
             v.reshape(B, T, H * hd // g, g), self.value_bits, n_outliers=_n_out(self.outlier_fraction, H * hd),
-            keep=self._keep(T),
+            keep=self._keep(T), levels=self.value_levels,
         )
         return vq.reshape(v.shape)
 
@@ -274,7 +333,8 @@ def kv_bytes(config: Any, kvq: KVQuant | None, seq_len: int) -> int:
     per sequence or per block of ``key_group`` tokens (outliers per block); static keys' per-layer
     ranges (counted once, in the sequence's total); sink tokens as float16 entries (no codes);
     each outlier as a float16 value + an int16 index (token index for key outliers, channel index for
-    value outliers; counts per channel/token are fixed, so no row pointers). Static keys' outliers are
+    value outliers; counts per channel/token are fixed, so no row pointers); ``recent_float``: one block of
+    float16 keys and values on top (the tokens not yet quantized). Static keys' outliers are
     data-dependent: counted at the nominal ``outlier_fraction``. ``kvq=None``: float16 cache.
     """
     L = config.n_layers
@@ -305,6 +365,7 @@ def kv_bytes(config: Any, kvq: KVQuant | None, seq_len: int) -> int:
         per_layer += sink * C * 2 + math.ceil(Tq * C * kvq.value_bits / 8)
         per_layer += Tq * (C // (kvq.value_group or hd)) * 2 * 2  # (lo, scale) per token per value group
         per_layer += Tq * _n_out(kvq.outlier_fraction, C) * (2 + 2)
+    per_layer += min(kvq.float_block, seq_len) * C * 2 * 2  # the float16 recent block of keys and values
     return int(round(L * per_layer))
 
 

@@ -22,7 +22,7 @@ from eqjax.linear import linear
 from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import GPT2Config
-from eqjax.models.llama import KVQuantizer, as_float, attend, tied_head
+from eqjax.models.llama import KVQuantizer, as_float, attend, float16_round, quantize_kv, tied_head
 from eqjax.qarray import ActQuantKernel, QArray
 
 __all__ = ["param_shapes", "layer_norm", "embed", "block", "head"]
@@ -95,9 +95,10 @@ def block(
     x = layer_norm(h, p["ln_1"], c.layer_norm_eps)
     qkv = linear(x, p["attn"]["c_attn"])
     q, k, v = (t.reshape(B, T, H, hd) for t in jnp.split(qkv, 3, axis=-1))
-    if kv_quant is not None:
-        k, v = kv_quant.keys(k), kv_quant.values(v)
+    k_f, v_f = k, v
+    k, v, block = quantize_kv(kv_quant, k, v, cache)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))
+    recent = (float16_round(jnp.swapaxes(k_f, 1, 2)), float16_round(jnp.swapaxes(v_f, 1, 2)), block) if block else None
     positions = jnp.broadcast_to(positions, (B, T))
     if cache is None:
         keys, vals, k_pos, q_pos = k, v, positions, positions
@@ -109,7 +110,7 @@ def block(
     scale = hd**-0.5
     if c.scale_attn_by_inverse_layer_idx:
         scale /= float(layer_index + 1)
-    o = attend(q, keys, vals, q_pos, k_pos, scale=scale)
+    o = attend(q, keys, vals, q_pos, k_pos, scale=scale, recent=recent)
     h = h + linear(o, p["attn"]["c_proj"])
     x = layer_norm(h, p["ln_2"], c.layer_norm_eps)
     y = linear(activation(c.activation, linear(x, p["mlp"]["c_fc"])), p["mlp"]["c_proj"])

@@ -49,6 +49,8 @@ __all__ = [
     "rope_inv_freq",
     "apply_rope",
     "attend",
+    "quantize_kv",
+    "float16_round",
     "as_float",
     "tied_head",
     "embed",
@@ -64,7 +66,9 @@ class KVQuantizer(Protocol):
 
     ``keys(k)`` gets pre-RoPE keys ``[B, T, Hkv, hd]`` (after Qwen3's ``k_norm``; GPT-2: right after the
     ``c_attn`` split); ``values(v)`` gets values ``[B, T, Hkv, hd]``.
-    Both return arrays of the same shape and dtype.
+    Both return arrays of the same shape and dtype. An optional ``float_block`` attribute (int, 0 = off)
+    makes each query read the keys / values of its own block of that many positions unquantized (in
+    float16), as a cache that quantizes only complete blocks would hold them (see :func:`attend`).
     """
 
     def keys(self, k: jax.Array) -> jax.Array: ...
@@ -176,6 +180,7 @@ def attend(
     *,
     scale: float,
     window: int | None = None,
+    recent: tuple[jax.Array, jax.Array, int] | None = None,
 ) -> jax.Array:
     """Causal (optionally sliding-window) grouped-query attention.
 
@@ -184,6 +189,9 @@ def attend(
       q_pos: ``[B, T]`` positions of the queries; k_pos: ``[B, S]`` or ``[S]`` positions of the keys.
       scale: multiplies the scores; window: key ``j`` is visible to query ``i`` iff
         ``i - window < j <= i`` (``None``: ``j <= i``).
+      recent: ``(k_f, v_f, block)``: query ``i`` reads key / value ``j`` from ``k_f`` / ``v_f`` (same shapes
+        as ``k`` / ``v``) where ``j // block == i // block`` (its own still-filling block), from ``k`` /
+        ``v`` elsewhere.
 
     Returns ``[B, T, Hq * hd]`` in ``q``'s dtype (scores and softmax in float32).
     """
@@ -196,10 +204,36 @@ def attend(
     mask = kp <= qp
     if window is not None:
         mask = mask & (kp > qp - window)
+    if recent is not None:
+        k_f, v_f, blk = recent
+        same = (kp // blk == qp // blk)[:, None, None]
+        s = jnp.where(same, jnp.einsum("bhgtd,bhsd->bhgts", qg, k_f, preferred_element_type=jnp.float32) * scale, s)
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bhgts,bhsd->bthgd", p, v)
+    if recent is None:
+        o = jnp.einsum("bhgts,bhsd->bthgd", p, v)
+    else:
+        zero = jnp.zeros((), p.dtype)
+        o = (jnp.einsum("bhgts,bhsd->bthgd", jnp.where(same, zero, p), v)
+             + jnp.einsum("bhgts,bhsd->bthgd", jnp.where(same, p, zero), v_f))
     return o.reshape(B, T, Hq * hd)
+
+
+def quantize_kv(kv_quant: KVQuantizer | None, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array, int]:
+    """``(k, v)`` through the ``kv_quant`` hook, and its ``float_block`` (0 if none). A float block
+    describes whole-window evaluation; with a decode cache it is refused (ValueError)."""
+    if kv_quant is None:
+        return k, v, 0
+    block = int(getattr(kv_quant, "float_block", 0) or 0)
+    if block and cache is not None:
+        raise ValueError("a KV quantizer with a float recent block (recent_float) evaluates whole windows; "
+                         "decoding with a cache does not support it")
+    return kv_quant.keys(k), kv_quant.values(v), block
+
+
+def float16_round(x: jax.Array) -> jax.Array:
+    """``x`` rounded to float16 and back to its dtype (what a float16 cache holds)."""
+    return x.astype(jnp.float16).astype(x.dtype)
 
 
 def _attention(
@@ -219,11 +253,15 @@ def _attention(
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"]["scale"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"]["scale"], c.rms_norm_eps)
-    if kv_quant is not None:
-        k, v = kv_quant.keys(k), kv_quant.values(v)
+    k_f, v_f = k, v
+    k, v, block = quantize_kv(kv_quant, k, v, cache)
     inv_freq = rope_inv_freq(c)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [B, H, T, hd]
+    recent = None
+    if block:
+        k_f = apply_rope(k_f, positions, inv_freq)
+        recent = (float16_round(jnp.swapaxes(k_f, 1, 2)), float16_round(jnp.swapaxes(v_f, 1, 2)), block)
     if cache is None:
         keys, vals, k_pos, q_pos = k, v, positions, positions
     else:
@@ -231,7 +269,7 @@ def _attention(
         keys, vals = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         k_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
         q_pos = jnp.broadcast_to(cache.length + jnp.arange(T, dtype=jnp.int32), (B, T))
-    o = attend(q, keys, vals, q_pos, k_pos, scale=c.head_dim**-0.5, window=c.window_for(layer_index))
+    o = attend(q, keys, vals, q_pos, k_pos, scale=c.head_dim**-0.5, window=c.window_for(layer_index), recent=recent)
     return linear(o, p["o_proj"]), cache
 
 

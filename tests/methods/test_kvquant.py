@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +226,83 @@ def test_grouped_bytes():
     want = L * (100 * C // 2 + 4 * C * 4 + 100 * C // 2 + 100 * (C // 4) * 4)
     assert kv_bytes(CFG, KVQuant(4, 4, key_group=32, value_group=4), 100) == want
     assert KVQuant.from_config({"bits": 4, "key_group": 32, "value_group": 4}) == KVQuant(4, 4, key_group=32, value_group=4)
+
+
+# ---------------------------------------------------------------- non-uniform levels (key_levels / value_levels)
+LEVELS = (0.1, 0.37, 0.63, 0.9)
+
+
+def _nearest_level_oracle(x: np.ndarray, axis: int, levels, bits: int) -> np.ndarray:
+    """float64 brute force: each entry -> the nearest level of its block's float16 [lo, lo + q * scale]
+    (lo rounded down, scale rounded up to float16, as the module docs state); ties to the lower level."""
+    x64 = np.asarray(x, np.float64)
+    q = 2**bits - 1
+    lo = x64.min(axis=axis, keepdims=True)
+    lo16 = np.float16(lo).astype(np.float64)
+    lo16 = np.where(lo16 > lo, np.nextafter(np.float16(lo), np.float16(-np.inf)).astype(np.float64), lo16)
+    span = (x64.max(axis=axis, keepdims=True) - lo16) / q
+    s16 = np.float16(span).astype(np.float64)
+    s16 = np.where(s16 < span, np.nextafter(np.float16(span), np.float16(np.inf)).astype(np.float64), s16)
+    cands = lo16[..., None] + np.asarray(levels, np.float64) * (s16 * q)[..., None]  # [..., 2**b]
+    d = np.abs(x64[..., None] - cands)
+    return np.take_along_axis(cands, np.argmin(d, axis=-1)[..., None], -1)[..., 0]  # argmin: first = lower on ties
+
+
+def test_levels_match_a_float64_nearest_level_oracle():
+    k = _x(seed=3)
+    got = np.asarray(KVQuant(2, 16, key_levels=LEVELS).keys(k), np.float64)
+    want = _nearest_level_oracle(np.asarray(k), 1, LEVELS, 2)
+    # float32 arithmetic vs float64: entries can only differ where they sit within rounding of a midpoint
+    close = np.isclose(got, want, rtol=0, atol=1e-5)
+    assert close.mean() > 0.999, close.mean()
+    v = _x(seed=4)
+    gotv = np.asarray(KVQuant(16, 2, value_levels=LEVELS).values(v), np.float64)
+    assert np.isclose(gotv, _nearest_level_oracle(np.asarray(v), 3, LEVELS, 2), rtol=0, atol=1e-5).mean() > 0.999
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_uniform_levels_are_the_uniform_grid(bits):
+    """Levels j / q reproduce the uniform grid (grouped keys with outliers and sinks, grouped values)."""
+    uni = tuple(j / (2**bits - 1) for j in range(2**bits))
+    a = KVQuant(bits, bits, 0.05, sink_tokens=1, key_group=8, value_group=8)
+    b = KVQuant(bits, bits, 0.05, sink_tokens=1, key_group=8, value_group=8, key_levels=uni, value_levels=uni)
+    x = _x(seed=5)
+    np.testing.assert_allclose(np.asarray(b.keys(x)), np.asarray(a.keys(x)), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(b.values(x)), np.asarray(a.values(x)), rtol=0, atol=2e-6)
+
+
+def test_inner_levels_lower_the_error_of_gaussian_blocks_and_keep_bytes():
+    """At 2 bits the uniform grid's end levels only serve each block's min and max: inner levels lower
+    the squared error of Gaussian data; the stored bytes do not change."""
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 256, 2, 16)).astype(np.float32))
+    uni, nuq = KVQuant(2, 2, key_group=32, value_group=16), KVQuant(2, 2, key_group=32, value_group=16,
+                                                                   key_levels=LEVELS, value_levels=LEVELS)
+    for side in ("keys", "values"):
+        e_u = float(jnp.mean((getattr(uni, side)(x) - x) ** 2))
+        e_n = float(jnp.mean((getattr(nuq, side)(x) - x) ** 2))
+        assert e_n < 0.8 * e_u, (side, e_n, e_u)
+    assert kv_bytes(CFG, nuq, 64) == kv_bytes(CFG, uni, 64)
+
+
+def test_levels_validation_config_and_checkpoint_manifest():
+    for bad, msg in (((0.1, 0.5), "needs 2"), ((0.5, 0.4, 0.6, 0.9), "increase"), ((0, 0.3, 0.6, 1.2), "increase"),
+                     ("abc", "list of numbers")):
+        with pytest.raises(ValueError, match=msg):
+            KVQuant(2, 2, key_levels=bad)
+    with pytest.raises(ValueError, match="float"):
+        KVQuant(2, 16, value_levels=LEVELS)
+    kvq = KVQuant.from_config({"bits": 2, "key_levels": list(LEVELS), "value_levels": list(LEVELS)})
+    assert kvq == KVQuant(2, 2, key_levels=LEVELS, value_levels=LEVELS) and hash(kvq) == hash(KVQuant(2, 2, key_levels=LEVELS, value_levels=LEVELS))
+    r = recipe_from_dict({"name": "x", "steps": [], "kv": {"bits": 2, "key_levels": list(LEVELS)}})
+    assert r.kv.key_levels == LEVELS and r.kv.value_levels is None
+    from eqjax.schema import SchemaError
+
+    with pytest.raises(SchemaError, match=r"kv\.key_levels\[1\]"):
+        recipe_from_dict({"name": "x", "steps": [], "kv": {"bits": 2, "key_levels": [0.1, 2.0, 0.6, 0.9]}})
+    from eqjax.io.orbax import _recipe_info, recipe_kv
+
+    class _R:
+        name, description, kv = "x", "", kvq
+
+    meta = json.loads(json.dumps(_recipe_info(_R())))  # through JSON, as a checkpoint manifest stores it
+    assert recipe_kv(meta) == kvq

@@ -29,7 +29,7 @@ MAIN = [
     "fp", "w8", "w8-absmax", "w8a8-naive", "w8a8-naive-tensor", "w8a8-smoothquant", "w8a8-smoothquant-a0.5",
     "w8a8-zeroquant", "w8a8-zeroquant-lkd", "w4g128-rtn-sym", "w4g128-rtn", "w4g128-gptq-sym", "w4g128-gptq",
     "w4g128-awq", "w4g128-awq-gptq", "w3g128-rtn", "w3g128-gptq", "w3g128-awq", "kv8", "kv4", "kv2",
-    "kv2-outliers",
+    "kv2-outliers", "kv2-nuq", "kv2-nuq-recent",
     # issue 13: 16-code symmetric grids (w4g128-rtn-sym, w4g128-gptq-sym above), searched grids, learned
     # rounding
     "w4g128-rtn-search", "w4g128-rtn-search-sym", "w4g128-gptq-search", "w4g128-gptq-search-sym",
@@ -99,6 +99,12 @@ def targets(rows: list[dict], key: str = "ppl") -> list[tuple[str, str, bool | N
     rel("w8a8-smoothquant", 1.0, "W8A8 SmoothQuant <= FP + 1.0 %")
     rel("kv4", 1.0, "KV int4 <= FP + 1 %")
     rel("kv2-outliers", 8.0, "KV int2 with 1 % outliers <= FP + 8 %")
+    rel("kv2-nuq", 8.0, "KV int2, non-uniform levels, 1 % outliers <= FP + 8 %")
+    if "kv2-nuq-recent" in by:  # the recent block is float16: say its bytes beside the figure
+        r = by["kv2-nuq-recent"]
+        d = 100.0 * (r["ppl"] / fp - 1)
+        out.append(("KV int2 (non-uniform, 1 % outliers) + 32-token float16 recent block <= FP + 8 %",
+                    f"{d:+.2f} % at {r.get('kv_bytes_per_token', float('nan')):.0f} B/token", d <= 8.0))
     for method, base, need, label in [
         ("w4g128-gptq-sym", "w4g128-rtn-sym", 50, "W4 g128 symmetric: GPTQ closes >= 50 % of RTN's gap"),
         ("w4g128-gptq", "w4g128-rtn", 40, "W4 g128 asymmetric: GPTQ closes >= 40 % of RTN's gap"),

@@ -42,7 +42,7 @@ DEFAULT_RUN_RECIPES = (
 )
 """Recipes of ``eqjax run``; calibrated recipes are appended when their modules are present."""
 
-CALIBRATED_RUN_RECIPES = ("w8a8-smoothquant", "w4g128-gptq", "w4g128-awq", "kv4", "kv2-outliers")
+CALIBRATED_RUN_RECIPES = ("w8a8-smoothquant", "w4g128-gptq", "w4g128-awq", "kv4", "kv2-outliers", "kv2-nuq-recent")
 
 
 @dataclasses.dataclass(frozen=True)

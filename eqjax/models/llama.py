@@ -220,14 +220,12 @@ def attend(
 
 
 def quantize_kv(kv_quant: KVQuantizer | None, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, jax.Array, int]:
-    """``(k, v)`` through the ``kv_quant`` hook, and its ``float_block`` (0 if none). A float block
-    describes whole-window evaluation; with a decode cache it is refused (ValueError)."""
+    """``(k, v)`` through the ``kv_quant`` hook, and its ``float_block`` (0 if none). A float block is
+    defined for whole-window evaluation; with a decode cache it is 0 (the cache holds each call's
+    fake-quantized entries, as for every dynamic quantizer: see :mod:`eqjax.methods.kvquant`)."""
     if kv_quant is None:
         return k, v, 0
-    block = int(getattr(kv_quant, "float_block", 0) or 0)
-    if block and cache is not None:
-        raise ValueError("a KV quantizer with a float recent block (recent_float) evaluates whole windows; "
-                         "decoding with a cache does not support it")
+    block = 0 if cache is not None else int(getattr(kv_quant, "float_block", 0) or 0)
     return kv_quant.keys(k), kv_quant.values(v), block
 
 

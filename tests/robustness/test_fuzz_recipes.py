@@ -34,7 +34,8 @@ RECIPES = st.fixed_dictionaries(
         "name": st.one_of(st.just("r"), VALUES),
         "steps": st.one_of(st.lists(STEPS, max_size=3), VALUES),
         "kv": st.one_of(st.dictionaries(st.sampled_from(["bits", "key_bits", "value_bits", "outlier_fraction",
-                                                         "sink_tokens", "key_group", "x"]), VALUES, max_size=3), VALUES),
+                                                         "sink_tokens", "key_group", "key_levels", "value_levels",
+                                                         "recent_float", "x"]), VALUES, max_size=3), VALUES),
         "description": VALUES,
         "extra": VALUES,
     })

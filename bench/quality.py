@@ -241,8 +241,10 @@ def _loadavg(r: dict) -> str:
 
 def rewrite_markdown(path: pathlib.Path) -> None:
     """Regenerate the markdown of a results JSON (e.g. after editing the targets)."""
+    from eqjax.atomic import write_bytes  # noqa: PLC0415
+
     data = json.loads(path.read_text())
-    path.with_suffix(".md").write_text(markdown(data["rows"], data["protocol"]))
+    write_bytes(path.with_suffix(".md"), markdown(data["rows"], data["protocol"]).encode())
 
 
 def main() -> int:
@@ -259,6 +261,7 @@ def main() -> int:
                     help="also measure every row on this text (eqjax eval --also-eval): its ppl in extra columns")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from eqjax.atomic import write_bytes
     from eqjax.recipes import RECIPES, get_recipe
 
     protocol = {"eval_tokens": args.eval_tokens, "ctx": args.ctx, "calib_ctx": args.calib_ctx}
@@ -288,10 +291,10 @@ def main() -> int:
         done.add(_key(row))
         print("   ", {k: row.get(k) for k in ("ppl", "quantize_seconds", "process_seconds", "peak_rss_mb", "error")},
               flush=True)
-        out.write_text(json.dumps({"protocol": protocol, "rows": rows}, indent=1))
-        out.with_suffix(".md").write_text(markdown(rows, protocol))
-    out.write_text(json.dumps({"protocol": protocol, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, protocol))
+        write_bytes(out, json.dumps({"protocol": protocol, "rows": rows}, indent=1).encode())
+        write_bytes(out.with_suffix(".md"), markdown(rows, protocol).encode())
+    write_bytes(out, json.dumps({"protocol": protocol, "rows": rows}, indent=1).encode())
+    write_bytes(out.with_suffix(".md"), markdown(rows, protocol).encode())
     print(out.with_suffix(".md").read_text())
     return 0
 

@@ -90,21 +90,20 @@ def targets(rows: list[dict], key: str = "ppl") -> list[tuple[str, str, bool | N
     fp = by["fp"]["ppl"]
     out: list[tuple[str, str, bool | None]] = []
 
-    def rel(name: str, limit: float, label: str) -> None:
+    def rel(name: str, limit: float, label: str, with_kv_bytes: bool = False) -> None:
         if name in by:
             d = 100.0 * (by[name]["ppl"] / fp - 1)
-            out.append((label, f"{d:+.2f} %", d <= limit))
+            kv = f" at {by[name].get('kv_bytes_per_token', float('nan')):.0f} B/token" if with_kv_bytes else ""
+            out.append((label, f"{d:+.2f} %{kv}", d <= limit))
 
     rel("w8", 0.3, "W8 per-channel weight-only <= FP + 0.3 %")
     rel("w8a8-smoothquant", 1.0, "W8A8 SmoothQuant <= FP + 1.0 %")
     rel("kv4", 1.0, "KV int4 <= FP + 1 %")
     rel("kv2-outliers", 8.0, "KV int2 with 1 % outliers <= FP + 8 %")
     rel("kv2-nuq", 8.0, "KV int2, non-uniform levels, 1 % outliers <= FP + 8 %")
-    if "kv2-nuq-recent" in by:  # the recent block is float16: say its bytes beside the figure
-        r = by["kv2-nuq-recent"]
-        d = 100.0 * (r["ppl"] / fp - 1)
-        out.append(("KV int2 (non-uniform, 1 % outliers) + 32-token float16 recent block <= FP + 8 %",
-                    f"{d:+.2f} % at {r.get('kv_bytes_per_token', float('nan')):.0f} B/token", d <= 8.0))
+    # the recent block is float16: its bytes stand beside the figure
+    rel("kv2-nuq-recent", 8.0, "KV int2 (non-uniform, 1 % outliers) + 32-token float16 recent block <= FP + 8 %",
+        with_kv_bytes=True)
     for method, base, need, label in [
         ("w4g128-gptq-sym", "w4g128-rtn-sym", 50, "W4 g128 symmetric: GPTQ closes >= 50 % of RTN's gap"),
         ("w4g128-gptq", "w4g128-rtn", 40, "W4 g128 asymmetric: GPTQ closes >= 40 % of RTN's gap"),

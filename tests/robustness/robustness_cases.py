@@ -719,7 +719,7 @@ def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = 
         if p.poll() is not None:
             return f"the run ended before it could be killed: {p.stderr.read()[-300:]}"
         time.sleep(0.05)
-    masks = _signal_masks(p.pid)
+    masks = _signal_masks(p.pid) if sig == signal.SIGINT else ""
     _kill(p, sig)
     err = p.stderr.read()
     if sig == signal.SIGINT:
@@ -748,14 +748,15 @@ def _signal_masks(pid: int) -> str:
     bit = 1 << (signal.SIGINT - 1)
     out = []
     try:
-        for task in sorted(pathlib.Path(f"/proc/{pid}/task").iterdir()):
+        tasks = sorted(pathlib.Path(f"/proc/{pid}/task").iterdir())
+        for task in tasks:
             f = dict(x.split(":\t", 1) for x in (task / "status").read_text().splitlines() if ":\t" in x)
             flags = [k for k in ("SigBlk", "SigIgn", "SigCgt") if int(f.get(k, "0"), 16) & bit]
             if task.name == str(pid) or flags != ["SigCgt"]:
                 out.append(f"{task.name}({f.get('Name', '?').strip()}):{'+'.join(flags) or 'default'}")
     except OSError as e:
         return f"unreadable ({e})"
-    return ", ".join(out) + f" ({len(list(pathlib.Path(f'/proc/{pid}/task').iterdir()))} threads)"
+    return ", ".join(out) + f" ({len(tasks)} threads)"
 
 
 def _env_changes() -> dict[str, str | None]:

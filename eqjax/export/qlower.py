@@ -317,7 +317,9 @@ def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str) -> tu
         # per token: blocked along the last axis, one block of K) gives the codes of Round(Div) + Clip + Cast
         token = k.act_granularity == "token"
         amax = g.op("ReduceMax", [g.op("Abs", [x])] + ([g.const([-1], np.int64)] if token else []), keepdims=int(token))
-        s = g.op("Where", [g.op("Greater", [amax, g.const(0.0)]), g.op("Div", [amax, g.const(qmax)]), g.const(1.0)],
+        # eqjax gives a zero row scale 1; any positive scale gives it codes 0 and outputs 0, so one Max with
+        # the smallest normal float32 (never reached by a real row's absmax / qmax) replaces Greater + Where
+        s = g.op("Max", [g.op("Div", [amax, g.const(qmax)]), g.const(float(np.finfo(np.float32).tiny))],
                  hint=hint + ".sx")  # [..., 1] or []
         if not token:
             return g.op("QuantizeLinear", [x, s, g.const(W8A8_ZERO_POINT, np.uint8)], hint=hint + ".qx"), s
@@ -370,6 +372,8 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
     qx_nd, s_nd = _quantize_rows(g, x, k, K, hint)
     if not table:
         wq_name, ws_name = g.init(hint + ".wq", wq), g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32))
+    if k.act_granularity == "tensor":  # one scalar scale: the op's own a_scale, no Mul over the output
+        return g.op("MatMulIntegerToFloat", [qx_nd, wq_name, s_nd, ws_name, zp, wzp], domain=MS_DOMAIN, hint=hint)
     y = g.op("MatMulIntegerToFloat", [qx_nd, wq_name, g.const(1.0), ws_name, zp, wzp], domain=MS_DOMAIN)
     return g.op("Mul", [y, s_nd], hint=hint)
 

@@ -141,6 +141,22 @@ def test_exporter_s8_sums_are_exact_with_7bit_weights(granularity):
     np.testing.assert_array_equal(y, np.asarray(linear(jnp.asarray(x), layer)))
 
 
+@pytest.mark.parametrize("kind", ["token", "tensor"])
+def test_exported_zero_rows_give_zeros_not_nan(kind):
+    """A zero activation row (per token) or a zero input (per tensor): eqjax scales it by 1, the export by
+    the smallest normal float32; both give codes 0 and an output of exactly 0, never NaN."""
+    q, w = _extreme_operands()
+    layer = {"kernel": _kernels(w)[kind]}
+    x = q.astype(np.float32)
+    x[1] = 0.0
+    if kind == "tensor":
+        x[:] = 0.0
+    (y,) = make_session(linear_graph(layer, path=kind)).run(["y"], {"x": x})
+    ref = np.asarray(linear(jnp.asarray(x), layer))
+    assert np.all(np.isfinite(y)) and not np.any(y[1]) and not np.any(ref[1])
+    np.testing.assert_array_equal(y, ref)
+
+
 def _w8a8_matmuls(m: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in m.graph.node if n.op_type in ("MatMulInteger", "MatMulIntegerToFloat")]
 

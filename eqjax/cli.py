@@ -42,6 +42,12 @@ def _add_debug(p: argparse.ArgumentParser) -> None:
                    help="print the full traceback of an error (also EQJAX_DEBUG=1)")
 
 
+def _add_low_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--low-memory", action="store_true",
+                   help="fix glibc's mmap threshold at 4 MiB: a lower peak RSS in calibration (GPTQ), somewhat slower "
+                        "(eqjax.hostmem; figures in the README)")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or an HF safetensors directory (default: SmolLM2-135M)")
     p.add_argument("--text", default=None, help="UTF-8 plain-text file to evaluate on (default: Wikipedia split)")
@@ -86,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an interrupted run: keep the rows in OUT/rows.jsonl, measure only the missing recipes")
     g.add_argument("--overwrite", action="store_true", help="start again, replacing the results in --out and --json")
     _add_debug(p)
+    _add_low_memory(p)
     if add_dist:
         add_dist(p)
 
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
     _add_overwrite(p, "the --json file")
     _add_debug(p)
+    _add_low_memory(p)
     if add_dist:
         add_dist(p)
 
@@ -112,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_overwrite(p, "the checkpoint directory")
     _add_debug(p)
+    _add_low_memory(p)
     if add_dist:
         add_dist(p)
 
@@ -129,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
             add_args(p)
             _add_overwrite(p, what)
         _add_debug(p)
+        _add_low_memory(p)
     return parser
 
 
@@ -528,6 +538,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread
         pass
+    if getattr(args, "low_memory", False):
+        from eqjax.hostmem import fix_mmap_threshold
+
+        if not fix_mmap_threshold():
+            print("eqjax: warning: --low-memory has no effect here (the C library is not glibc)", file=sys.stderr)
     try:
         if hasattr(args, "num_processes"):
             _check_distributed(args)

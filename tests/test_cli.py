@@ -211,3 +211,27 @@ def test_search_method_is_a_known_way_to_apply_rules(capsys, tmp_path):
         main(["search", "--budget-bits", "4", "--out", str(tmp_path / "o"), "--method", "awq"])
     assert e.value.code == 2 and "--method: invalid choice: 'awq'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+
+@pytest.mark.parametrize("argv", [["run"], ["eval", "--recipe", "fp"], ["quantize", "--recipe", "fp", "--out", "x"],
+                                  ["search", "--budget-bits", "4"], ["export-onnx", "--out", "x"],
+                                  ["export-gguf", "--recipe", "w4g128-rtn", "--out", "x"]])
+def test_every_subcommand_takes_low_memory(argv):
+    assert build_parser().parse_args([*argv, "--low-memory"]).low_memory is True
+    assert build_parser().parse_args(argv).low_memory is False
+
+
+def test_low_memory_fixes_the_threshold_first_and_warns_where_it_cannot(tiny, monkeypatch, capsys):
+    """``--low-memory`` calls :func:`eqjax.hostmem.fix_mmap_threshold` once, before the command runs; where
+    the C library takes no threshold, one warning line and the command goes on (here: to its own error)."""
+    import eqjax.hostmem as hostmem
+
+    d, text = tiny
+    calls = []
+    monkeypatch.setattr(hostmem, "fix_mmap_threshold", lambda: calls.append(1) or False)
+    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "nope", "--low-memory"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert calls == [1]
+    assert err[0] == "eqjax: warning: --low-memory has no effect here (the C library is not glibc)"
+    assert err[1].startswith("eqjax: error:") and len(err) == 2

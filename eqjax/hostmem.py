@@ -1,0 +1,37 @@
+"""Host memory: fixing glibc's mmap threshold so that large freed buffers go back to the system.
+
+glibc raises its mmap threshold to the size of each large buffer freed, up to 32 MB; afterwards buffers of
+1-16 MB (a calibration batch's hidden states, weight and Hessian copies) come from the heap, which
+fragments, and the process's peak RSS grows with the number of calibration windows although the live
+JAX arrays do not (bench/gptq_memory.py). A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, the same as
+the ``MALLOC_MMAP_THRESHOLD_`` environment variable) stops that at the cost of fresh pages for every
+large buffer, i.e. some time (README, *Not done*).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+__all__ = ["LOW_MEMORY_THRESHOLD", "fix_mmap_threshold"]
+
+LOW_MEMORY_THRESHOLD = 4 << 20
+"""Bytes: buffers from this size up are mmapped (and unmapped when freed); chosen among 1, 4, 16 and
+64 MiB for GPTQ on SmolLM2 (README, *Not done*)."""
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def fix_mmap_threshold(nbytes: int = LOW_MEMORY_THRESHOLD) -> bool:
+    """Fix this process's malloc mmap threshold at ``nbytes`` (1 .. 32 MiB): True where the C library
+    is glibc and accepted it, False elsewhere (musl, macOS: nothing changes)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 1 <= nbytes <= 32 << 20:
+        raise ValueError(f"mmap threshold must be an int of 1 .. {32 << 20} bytes, got {nbytes!r}")
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))

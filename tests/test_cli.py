@@ -213,7 +213,6 @@ def test_search_method_is_a_known_way_to_apply_rules(capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-
 @pytest.mark.parametrize("argv", [["run"], ["eval", "--recipe", "fp"], ["quantize", "--recipe", "fp", "--out", "x"],
                                   ["search", "--budget-bits", "4"], ["export-onnx", "--out", "x"],
                                   ["export-gguf", "--recipe", "w4g128-rtn", "--out", "x"]])

@@ -26,18 +26,13 @@ sys.path.insert(0, str(ROOT))
 ENV_KEY = "MALLOC_MMAP_THRESHOLD_"
 
 
-def _maxrss_mb() -> float:
-    import resource  # noqa: PLC0415
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def child(recipe: str, windows: int, calib_len: int) -> dict:
     """One cell, in this process: see the module docs."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax  # noqa: PLC0415
 
     from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
+    from eqjax.evaluate import peak_rss_mb  # noqa: PLC0415
     from eqjax.io.gguf import load_gguf  # noqa: PLC0415
     from eqjax.models import Model  # noqa: PLC0415
     from eqjax.recipe import quantize  # noqa: PLC0415
@@ -47,13 +42,13 @@ def child(recipe: str, windows: int, calib_len: int) -> dict:
     model = Model(cfg)
     cal_ids, _ = wikipedia_tokens(tok)
     cal = calibration_windows(cal_ids, windows, calib_len, 0)
-    before = _maxrss_mb()
+    before = peak_rss_mb()
     t0 = time.perf_counter()
     qp = quantize(params, get_recipe(recipe), model=model, calibration=cal, seed=0)
     jax.block_until_ready(jax.tree_util.tree_leaves(qp))
     secs = time.perf_counter() - t0
     live = sum(a.nbytes for a in jax.live_arrays()) / 2**20
-    return {"windows": windows, "maxrss_before_mb": before, "maxrss_after_mb": _maxrss_mb(), "quantize_s": secs,
+    return {"windows": windows, "maxrss_before_mb": before, "maxrss_after_mb": peak_rss_mb(), "quantize_s": secs,
             "live_arrays_after_mb": live}
 
 

@@ -11,7 +11,6 @@ large buffer, i.e. some time (README, *Not done*).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 __all__ = ["LOW_MEMORY_THRESHOLD", "fix_mmap_threshold"]
 
@@ -27,10 +26,8 @@ def fix_mmap_threshold(nbytes: int = LOW_MEMORY_THRESHOLD) -> bool:
     is glibc and accepted it, False elsewhere (musl, macOS: nothing changes)."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 1 <= nbytes <= 32 << 20:
         raise ValueError(f"mmap threshold must be an int of 1 .. {32 << 20} bytes, got {nbytes!r}")
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
-        mallopt = libc.mallopt
+    try:  # the symbols already loaded in this process: glibc's mallopt where glibc is the C library
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -32,8 +32,9 @@ Numerics (both keys and values, ``b`` bits, asymmetric uniform grid, ``q = 2**b 
   block only once its ``key_group`` tokens are all written, so until then they are float16. Evaluating a
   whole window, query ``i`` therefore reads keys and values of its own block (positions
   ``i - i % key_group .. i``) as float16 and the earlier blocks quantized (whose ranges cover past
-  tokens only; the dynamic outliers are still chosen over the call's tokens). :func:`kv_bytes` counts one block of float16 keys and values on top of the codes. In
-  decoding with a cache (which holds each call's fake-quantized entries) the block does not apply.
+  tokens only; the dynamic outliers are still chosen over the call's tokens). :func:`kv_bytes` counts
+  one block of float16 keys and values on top of the codes. In decoding with a cache (which holds each
+  call's fake-quantized entries) the block does not apply.
 
 The model's hook is ``keys(k)`` / ``values(v)`` with no layer index and no positions: an unbound
 quantizer assumes the call's tokens start at position 0 (true for perplexity windows) and can only

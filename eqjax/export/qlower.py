@@ -38,6 +38,7 @@ online rotation (RotatedKernel)        the activation times ``Q = diag(signs) kr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -202,12 +203,14 @@ def _nbits_inputs(g: Graph, b: Blocked, key: Any, hint: str) -> list[str]:
 
 
 def emit_matmul(g: Graph, x: str, leaf: Any, use: Any, *, hint: str, accuracy_level: int | None,
-                key: Any = None) -> str:
-    """``x [..., K]`` (K in the canonical order) times the quantized ``leaf`` at ``use``: ``[..., N]``."""
+                key: Any = None, lead: Sequence[Any] | None = None) -> str:
+    """``x [..., K]`` (K in the canonical order) times the quantized ``leaf`` at ``use``: ``[..., N]``.
+    ``lead``: x's leading dimensions (ints / symbolic), when known: W8A8's per-token zero points are then
+    one tensor shared by every product over the same leading shape."""
     kind = check_exportable(use.path, leaf)
     key = key if key is not None else (use.path, use.contracting, use.free, use.index)
     if kind == "w8a8":
-        return _emit_w8a8(g, x, leaf, use, hint)
+        return _emit_w8a8(g, x, leaf, use, hint, lead)
     b = blocked(leaf, use.contracting, use.free, use.index, path=use.path)
     if kind == "dq":
         return _emit_dq(g, x, b, hint)
@@ -238,17 +241,17 @@ def emit_rotation(g: Graph, x: str, leaf: RotatedKernel, rank: int, *, hint: str
     return g.op("Reshape", [y, g.const(keep + [n], np.int64)], hint=hint + ".rotated")
 
 
-def emit_weight_matmul(g: Graph, x: str, leaf: Any, use: Any, rank: int, *, hint: str,
+def emit_weight_matmul(g: Graph, x: str, leaf: Any, use: Any, lead: Sequence[Any], *, hint: str,
                        accuracy_level: int | None) -> str:
-    """:func:`emit_matmul`, with a RotatedKernel's online rotation of ``x`` first (then its inner
-    kernel: quantized as there, or a float ``MatMul``)."""
+    """:func:`emit_matmul` of ``x [*lead, K]``, with a RotatedKernel's online rotation of ``x`` first (then
+    its inner kernel: quantized as there, or a float ``MatMul``)."""
     if isinstance(leaf, RotatedKernel):
         kind = check_exportable(use.path, leaf)
-        x, leaf = emit_rotation(g, x, leaf, rank, hint=hint), leaf.kernel
+        x, leaf = emit_rotation(g, x, leaf, len(lead) + 1, hint=hint), leaf.kernel
         if kind == "float":
             w = _matrix(np.asarray(leaf, np.float32), use.contracting, use.free).T
             return g.op("MatMul", [x, g.init(hint + ".inner", np.ascontiguousarray(w))], hint=hint)
-    return emit_matmul(g, x, leaf, use, hint=hint, accuracy_level=accuracy_level)
+    return emit_matmul(g, x, leaf, use, hint=hint, accuracy_level=accuracy_level, lead=lead)
 
 
 def emit_gather(g: Graph, ids: str, leaf: QArray, contracting: tuple[int, ...], free: tuple[int, ...], *,
@@ -299,10 +302,12 @@ def w8a8_weight_codes(w: QArray, contracting: tuple[int, ...] = (0,), free: tupl
     return (iv + W8A8_ZERO_POINT).astype(np.uint8)
 
 
-def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str) -> tuple[str, str]:
-    """uint8 activation codes ``q + 128`` of ``x [..., K]`` (its own shape) and their scale: ``[..., 1]``
+def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str,
+                   lead: Sequence[Any] | None = None) -> tuple[str, str]:
+    """uint8 activation codes ``q + 128`` of ``x [*lead, K]`` (its own shape) and their scale: ``[*lead, 1]``
     per token, a scalar per tensor. Emitted once per input and activation setting (Q / K / V, gate / up
-    share them)."""
+    share them); the per-token zero points once per ``lead`` (each node costs onnxruntime ~20 us), or
+    from the scale's shape where ``lead`` is unknown."""
     qmax = float(2 ** (k.act_bits - 1) - 1)
     static = None if k.act_scale is None else np.asarray(k.act_scale, np.float32).reshape(-1)[:1]
 
@@ -323,15 +328,25 @@ def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str) -> tu
                  hint=hint + ".sx")  # [..., 1] or []
         if not token:
             return g.op("QuantizeLinear", [x, s, g.const(W8A8_ZERO_POINT, np.uint8)], hint=hint + ".qx"), s
-        zx = g.op("ConstantOfShape", [g.op("Shape", [s])], value=onnx.helper.make_tensor(
-            "zp", onnx.TensorProto.UINT8, [1], [W8A8_ZERO_POINT]))
+        zx = _token_zero_points(g, s, lead)
         return g.op("QuantizeLinear", [x, s, zx], axis=-1, block_size=K, hint=hint + ".qx"), s
 
     key = ("act-q", x, K, k.act_bits, k.act_granularity, None if static is None else static.tobytes())
     return g.memo(key, make)
 
 
-def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
+def _token_zero_points(g: Graph, s: str, lead: Sequence[Any] | None) -> str:
+    """uint8 ``W8A8_ZERO_POINT`` in the shape of the per-token scale ``s`` (``[*lead, 1]``)."""
+    def make(shape: str) -> str:
+        return g.op("ConstantOfShape", [shape], value=onnx.helper.make_tensor(
+            "zp", onnx.TensorProto.UINT8, [1], [W8A8_ZERO_POINT]), hint="zp_tokens")
+    if lead is None:
+        return make(g.op("Shape", [s]))
+    return g.memo(("token-zp", tuple(str(d) for d in lead)), lambda: make(g.shape(list(lead) + [1])))
+
+
+def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str,
+               lead: Sequence[Any] | None = None) -> str:
     w = k.weight
     if use.index or use.batch:
         raise ExportError(f"{use.path}: W8A8 needs a weight used without batch or stacked axes")
@@ -364,12 +379,13 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str) -> str:
         y = g.op("Mul", [g.op("Cast", [acc], to=1), g.init(hint + ".ws", ws[::G].reshape(ng, 1, N).astype(np.float32))])
         y = g.op("ReduceSum", [y, g.const([0], np.int64)], keepdims=0)
         y = g.op("Mul", [y, s])
-        lead = g.op("Slice", [g.op("Shape", [x]), g.const([0], np.int64), g.const([-1], np.int64)])
-        return g.op("Reshape", [y, g.op("Concat", [lead, g.const([N], np.int64)], axis=0)], hint=hint)
+        x_lead = g.op("Slice", [g.op("Shape", [x]), g.const([0], np.int64), g.const([-1], np.int64)])
+        return g.op("Reshape", [y, g.op("Concat", [x_lead, g.const([N], np.int64)], axis=0)], hint=hint)
     # codes and scales in x's own shape, so the product is [..., N] straight from one MatMulIntegerToFloat
     # (float(acc) * ws: the same two roundings as Cast then Mul) and a Mul: siblings then pack into one
-    # wider product (eqjax.export.pack)
-    qx_nd, s_nd = _quantize_rows(g, x, k, K, hint)
+    # wider product (eqjax.export.pack). A [..., 1] a_scale would drop the Mul (onnxruntime broadcasts it)
+    # but rounds fl(sx * ws) once more and measured no faster (2026-11-26, SmolLM2 prefill).
+    qx_nd, s_nd = _quantize_rows(g, x, k, K, hint, lead)
     if not table:
         wq_name, ws_name = g.init(hint + ".wq", wq), g.init(hint + ".ws", ws[0].reshape(N).astype(np.float32))
     if k.act_granularity == "tensor":  # one scalar scale: the op's own a_scale, no Mul over the output

@@ -229,7 +229,7 @@ class Walker:
             x = self.g.op("Transpose", [x], perm=perm)
         if len(use.x_contracting) != 1:
             x = self.g.op("Reshape", [x, self.g.shape([xs[a] for a in others] + [use.k])])
-        y = emit_weight_matmul(self.g, x, leaf, use, len(others) + 1, hint=use.path.replace("/", "."),
+        y = emit_weight_matmul(self.g, x, leaf, use, [xs[a] for a in others], hint=use.path.replace("/", "."),
                                accuracy_level=self.accuracy_level)
         self.counts["quantized_matmul"] = self.counts.get("quantized_matmul", 0) + 1
         out_shape = self.prog.avals[node.outs[0]].shape

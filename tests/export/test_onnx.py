@@ -208,6 +208,17 @@ def test_decode_with_kv_cache_matches_full_prefill(tiny, arch):
     assert out["present.0.key"].shape == (2, c.n_kv_heads, 12, c.head_dim)
 
 
+def test_w8a8_token_zero_points_are_one_tensor(tiny):
+    """Every per-token QuantizeLinear over the same [batch, sequence] reads one zero-point tensor (each
+    node costs onnxruntime time), not one Shape + ConstantOfShape per product."""
+    model, params = tiny["llama-gqa"]
+    nodes = build_model(model, _rtn(model, params, RECIPES["w8a8"])).graph.node
+    quant = [n for n in nodes if n.op_type == "QuantizeLinear"]
+    assert len(quant) >= 4 * model.config.n_layers  # q/k/v, o, gate/up, down of every layer (+ the head)
+    assert len({n.input[2] for n in quant}) == 1
+    assert sum(n.op_type == "ConstantOfShape" for n in nodes) == 1
+
+
 def test_saved_graph_perplexity_matches_float64_reference(tiny, tmp_path):
     model, params = tiny["llama-gqa"]
     qp = _rtn(model, params, RECIPES["w4g32"])

@@ -40,6 +40,7 @@ import platform
 import signal
 import subprocess
 import sys
+import re
 import tempfile
 import time
 
@@ -47,6 +48,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 WORKER = ROOT / "bench" / "peers_worker.py"
 CACHE = pathlib.Path.home() / ".cache" / "eqjax-peers"
+
+sys.path.insert(0, str(ROOT))
+from eqjax.atomic import write_text  # noqa: E402  (results: temp file + rename)
 
 EVAL_WINDOWS, EVAL_CTX, CALIB_WINDOWS, CALIB_CTX, SEED = 32, 1024, 128, 512, 0
 # SignRound iterations run here (--probe: ~150 would fit 2 h on this shared 2-core machine; 100 fit the session)
@@ -156,7 +160,7 @@ def prepare(cache: pathlib.Path) -> dict:
                     f"{EVAL_WINDOWS} x {EVAL_CTX} non-overlapping, no BOS; calib {CALIB_WINDOWS} x {CALIB_CTX}, seed {SEED}",
     }
     meta["ids_sha256"] = hashlib.sha256((meta["eval_sha256"] + meta["calib_sha256"]).encode()).hexdigest()
-    meta_path.write_text(json.dumps(meta, indent=1))
+    write_text(meta_path, json.dumps(meta, indent=1))
     return meta
 
 
@@ -221,9 +225,7 @@ def store_row(path: pathlib.Path, row: dict) -> None:
     with locked(path):
         data = load_results(path)
         data["rows"] = [r for r in data["rows"] if r["key"] != row["key"]] + [row]
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def run_peer(name: str, cfg: dict, py: pathlib.Path, cache: pathlib.Path, timeout: float, threads: int) -> dict:
@@ -267,9 +269,10 @@ def run_eqjax(recipe: str, threads: int | None = None) -> dict:
         t0 = time.perf_counter()
         la0 = os.getloadavg()
         env = dict(os.environ)
-        if threads:  # the same thread budget as the peers: one XLA CPU thread
+        if threads == 1:  # the same thread budget as the peers: one XLA CPU thread
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
-                                f"intra_op_parallelism_threads={threads}").strip()
+                                "intra_op_parallelism_threads=1").strip()
+        if threads:  # more than one: XLA's own pool (one thread per core) and this many OpenMP threads
             env["OMP_NUM_THREADS"] = str(threads)
         proc = subprocess.run(["nice", "-n", "19", *cmd], capture_output=True, text=True, cwd=ROOT, env=env)
         wall = time.perf_counter() - t0
@@ -281,6 +284,14 @@ def run_eqjax(recipe: str, threads: int | None = None) -> dict:
             row.update({k: res[k] for k in ("ppl", "quantize_seconds", "w_bits", "size_mb", "predictions", "description") if k in res})
             row["result"] = {k: v for k, v in res.items() if k != "protocol"}
         return row
+
+
+def eqjax_what(recipe: str, description: str) -> str:
+    """The 'what is quantized' cell of an eqjax row: every decoder linear, and the tied embedding / LM head
+    as the recipe's ``+emb-*`` option says (float without one), then the recipe's own description."""
+    emb = re.search(r"\+emb-(\w+)", recipe)
+    head = f"embedding / lm_head {emb.group(1)}" if emb else "tied embedding / lm_head float"
+    return f"every decoder linear; {head}" + (f" ({description})" if description else "")
 
 
 def git_commit() -> str:
@@ -388,7 +399,7 @@ def markdown(data: dict, meta: dict) -> str:
 def write_markdown(path: pathlib.Path, meta: dict) -> None:
     with locked(path):
         data = load_results(path)
-    (RESULTS / "peers.md").write_text(markdown(data, meta))
+    write_text(RESULTS / "peers.md", markdown(data, meta))
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -426,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         data["ids"] = meta
         if "eqjax_fp_ppl" not in data or data.get("eqjax_fp_ids") != meta["ids_sha256"]:
             data.pop("eqjax_fp_ppl", None)
-        out.write_text(json.dumps(data, indent=1) + "\n")
+        write_text(out, json.dumps(data, indent=1) + "\n")
     names = [] if args.eqjax_only else [
         n for n in (args.only.split(",") if args.only else cfgs) if n and n not in args.skip.split(",")]
     if "eqjax_fp_ppl" not in data and (any(n.startswith("fp-torch") for n in names) or args.eqjax_recipes):
@@ -438,15 +449,17 @@ def main(argv: list[str] | None = None) -> int:
         with locked(out):
             data = load_results(out)
             data["eqjax_fp_ppl"], data["eqjax_fp_ids"], data["eqjax_fp_commit"] = r["ppl"], meta["ids_sha256"], git_commit()
-            out.write_text(json.dumps(data, indent=1) + "\n")
+            write_text(out, json.dumps(data, indent=1) + "\n")
 
     for recipe in [x for x in args.eqjax_recipes.split(",") if x]:
         print(f"eqjax {recipe} ...", flush=True)
         r = run_eqjax(recipe, args.threads)
+        shape = re.match(r"w(\d+)g(\d+)", recipe)  # the decoder linears' bits and group, e.g. w4g128-...
         r.update(key=f"eqjax|{git_commit()}|{recipe}|{meta['ids_sha256'][:16]}", tool="eqjax", version=git_commit(),
                  name=recipe, ids_sha256=meta["ids_sha256"], threads=args.threads,
-                 what="every decoder linear; tied embedding / lm_head float",
-                 config={"bits": r.get("w_bits", ""), "group": 128 if "g128" in recipe else "",
+                 what=eqjax_what(recipe, r.get("description", "")),
+                 config={"bits": shape.group(1) if shape else r.get("w_bits", ""),
+                         "group": int(shape.group(2)) if shape else "",
                          "sym": "sym" in recipe, "calib": f"{CALIB_WINDOWS} x {CALIB_CTX}" if any(
                              m in recipe for m in ("gptq", "awq", "smooth", "lkd")) else "-", "iters": ""},
                  date=datetime.datetime.now().isoformat(timespec="seconds"))
@@ -486,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             with locked(out):
                 data = load_results(out)
                 data.setdefault("probes", []).append({k: v for k, v in row.items() if k != "env"})
-                out.write_text(json.dumps(data, indent=1) + "\n")
+                write_text(out, json.dumps(data, indent=1) + "\n")
             continue
         store_row(out, row)
         print(f"  -> {row.get('ppl', row.get('error', '')[:300])}  ({row['process_seconds']:.0f} s)", flush=True)

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.blockfit import shared_jit
 from eqjax.core.analysis import Analysis, WeightUse, activation_matrix, analyze, group_uses_by_input, token_axis
 from eqjax.core.folds import Fold, find_fold
 from eqjax.core.interpret import DotHook, run
@@ -446,8 +447,10 @@ class Calibrator:
                         for n, st in items} for gi in range(len(states))]
             return ([o[None] for o in outs] if outputs else []), new
 
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes), P(), P(axes)),
-                                   out_specs=(P(axes), P()), check_vma=False))
+        # one executable for every block that traces to the same program (a transformer's blocks differ
+        # only in their arrays): the step compiles once per model, not once per block
+        fn = shared_jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes), P(), P(axes)),
+                                      out_specs=(P(axes), P()), check_vma=False))
         self._cache[key] = fn
         return fn
 

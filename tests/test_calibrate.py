@@ -101,6 +101,38 @@ def test_sink_upweighting_oracle():
     np.testing.assert_allclose(st["xtx"], (x * w[:, None]).T @ x / w.sum(), rtol=1e-4, atol=1e-6)
 
 
+def test_identical_blocks_share_one_compiled_step():
+    """Decoder layers 1 and 2 of 4 trace to the same step programs (statistics pass, advance pass), so they
+    run the same executables (compiled once); layer 0 (which also embeds), the last layer (fewer live
+    outputs) and the head have their own. The shared executables still compute each block's own
+    statistics (oracle: eqjax's model functions)."""
+    from eqjax.models import LlamaConfig, Model
+
+    model = Model(LlamaConfig(vocab=zoo.V, hidden=32, intermediate=64, n_layers=4, n_heads=4, n_kv_heads=2))
+    params = model.init_params(jax.random.key(0), std=0.1)
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (2, 8), 0, 64), np.int32)
+    cal = Calibrator.from_model(lambda p, t: model.apply(p, t)[0], params, [(toks,)])
+    seen, start = {}, {}
+
+    def per_block(bc, p):
+        seen[bc.name], start[bc.name] = bc.statistics({"absmax": absmax()}), bc.block.start
+        return p
+
+    cal.run_blocks(_flat(params), per_block)
+    execs = {}  # block start -> the executables of its steps, in the order they were made
+    for key, f in cal._cache.items():
+        execs.setdefault(key[0], []).extend(h[0] for h in f._traced.values())
+    e0, e1, e2 = (execs[start[f"layers_{i}"]] for i in range(3))
+    assert len(e1) == 2 and e1 == e2  # one statistics step and one advance step, shared
+    assert not set(e0) & set(e1)
+    h = model.embed(params, jnp.asarray(toks))
+    for i in range(2):
+        h, _ = model.block(params[f"layers_{i}"], h, model.positions(2, 8), layer_index=i)
+    x = llama_mod.rms_norm(h, params["layers_2"]["attn_norm"]["scale"], model.config.rms_norm_eps)
+    np.testing.assert_allclose(seen["layers_2"]["layers_2/attn/q_proj/kernel"]["absmax"],
+                               np.abs(np.asarray(x)).reshape(-1, 32).max(0), rtol=1e-5)
+
+
 @pytest.mark.parametrize("advance", ["new", "original"])
 def test_sequential_semantics(advance):
     """Block 1 sees block 0's outputs computed with the new params ('new') or the old ones ('original')."""

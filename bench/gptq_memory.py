@@ -89,13 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gptq_memory] {json.dumps(row)}", flush=True)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "recipe": args.recipe, "calib_len": args.calib_len,
               "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows}
-    from eqjax.atomic import write_text  # noqa: PLC0415
+    from eqjax.atomic import write_report  # noqa: PLC0415
 
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text(out.with_suffix(".json"), json.dumps(report, indent=1))
-    write_text(out.with_suffix(".md"), markdown(report))
-    print(f"[gptq_memory] wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    print("[gptq_memory] wrote %s and %s" % write_report(args.out, report, markdown(report)))
     return 0
 
 

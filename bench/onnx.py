@@ -290,13 +290,9 @@ def main(argv=None) -> int:
                     "rounds": args.rounds},
         "results": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from eqjax.atomic import write_text
+    from eqjax.atomic import write_report
 
-    write_text(out.with_suffix(".json"), json.dumps(report, indent=1))
-    write_text(out.with_suffix(".md"), _markdown(report))
-    print(f"[onnx] wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    print("[onnx] wrote %s and %s" % write_report(args.out, report, _markdown(report)))
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -21,7 +21,6 @@ Usage: python bench/rotation_rtn.py [--eval-windows 6] [--search] [--calib-windo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_windows < 1 or args.calib_windows < 1:
         ap.error("--eval-windows and --calib-windows must be >= 1")
 
-    from eqjax.atomic import write_text  # noqa: PLC0415
+    from eqjax.atomic import write_report  # noqa: PLC0415
     from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
     from eqjax.evaluate import perplexity  # noqa: PLC0415
     from eqjax.io.gguf import load_gguf  # noqa: PLC0415
@@ -114,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "eval_tokens": n, "noise": NOISE,
               "calib_windows": args.calib_windows if args.search else 0, "seconds": time.perf_counter() - t0,
               "load_before": load0, "load_after": os.getloadavg(), "rows": rows}
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text(out.with_suffix(".json"), json.dumps(report, indent=1))
-    write_text(out.with_suffix(".md"), markdown(report))
-    print(f"[rotation_rtn] wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    print("[rotation_rtn] wrote %s and %s" % write_report(args.out, report, markdown(report)))
     return 0
 
 

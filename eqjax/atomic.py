@@ -34,7 +34,7 @@ from eqjax.errors import NonFiniteResult, OutputError
 
 __all__ = [
     "check_output_file", "check_output_dir", "atomic_file", "atomic_path", "atomic_directory",
-    "write_bytes", "write_text", "write_json", "dumps_json", "stale_temps", "JsonLines", "fsync_tree",
+    "write_bytes", "write_text", "write_json", "write_report", "dumps_json", "stale_temps", "JsonLines", "fsync_tree",
 ]
 
 _TMP = ".tmp-"
@@ -270,6 +270,14 @@ def dumps_json(obj: Any, *, indent: int | None = 1, source: str = "JSON output")
 def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1) -> pathlib.Path:
     """Atomically write ``obj`` as strict JSON (no NaN/Infinity) to ``path``."""
     return write_text(path, dumps_json(obj, indent=indent, source=str(path)) + "\n")
+
+
+def write_report(stem: str | os.PathLike[str], obj: Any, markdown: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """A bench's results: ``stem.json`` (``obj`` as strict JSON) and ``stem.md`` (``markdown``), each written
+    atomically, the directory made if needed; returns both paths."""
+    stem = pathlib.Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    return write_json(stem.with_suffix(".json"), obj), write_text(stem.with_suffix(".md"), markdown)
 
 
 # ------------------------------------------------------------------------------------ directories

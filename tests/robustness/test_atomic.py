@@ -9,7 +9,7 @@ import pytest
 
 from eqjax.atomic import (
     JsonLines, atomic_directory, atomic_file, atomic_path, check_output_dir, check_output_file, stale_temps,
-    write_bytes, write_json, write_text,
+    write_bytes, write_json, write_report, write_text,
 )
 from eqjax.errors import (
     CompatibilityError, EqjaxError, InputError, NonFiniteResult, OutputError, RuntimeFailure, classify, describe,
@@ -42,6 +42,16 @@ def test_json_refuses_nan_and_infinity(tmp_path):
     with pytest.raises(NonFiniteResult, match=r"r\.json \(results\[1\]\.ppl\)"):
         write_json(tmp_path / "r.json", {"results": [{"ppl": 1.0}, {"ppl": float("inf")}]})
     assert not (tmp_path / "r.json").exists()
+
+
+def test_write_report_writes_json_and_markdown_or_neither(tmp_path):
+    stem = tmp_path / "results" / "bench"
+    j, m = write_report(stem, {"rows": [{"ppl": 2.5}]}, "| ppl |\n")
+    assert (j, m) == (stem.with_suffix(".json"), stem.with_suffix(".md"))
+    assert json.loads(j.read_text()) == {"rows": [{"ppl": 2.5}]} and m.read_text() == "| ppl |\n"
+    with pytest.raises(NonFiniteResult):  # the old pair stays whole
+        write_report(stem, {"rows": [{"ppl": float("nan")}]}, "new")
+    assert json.loads(j.read_text()) == {"rows": [{"ppl": 2.5}]} and m.read_text() == "| ppl |\n"
 
 
 def test_stale_temporaries_are_detected_and_cleaned(tmp_path):

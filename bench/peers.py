@@ -37,10 +37,10 @@ import json
 import os
 import pathlib
 import platform
+import re
 import signal
 import subprocess
 import sys
-import re
 import tempfile
 import time
 

@@ -306,7 +306,7 @@ def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str,
                    lead: Sequence[Any] | None = None) -> tuple[str, str]:
     """uint8 activation codes ``q + 128`` of ``x [*lead, K]`` (its own shape) and their scale: ``[*lead, 1]``
     per token, a scalar per tensor. Emitted once per input and activation setting (Q / K / V, gate / up
-    share them); the per-token zero points once per ``lead`` (each node costs onnxruntime ~20 us), or
+    share them); the per-token zero points once per ``lead`` (fewer nodes for onnxruntime to dispatch), or
     from the scale's shape where ``lead`` is unknown."""
     qmax = float(2 ** (k.act_bits - 1) - 1)
     static = None if k.act_scale is None else np.asarray(k.act_scale, np.float32).reshape(-1)[:1]

@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
     from eqjax.evaluate import perplexity  # noqa: PLC0415
     from eqjax.io.gguf import load_gguf  # noqa: PLC0415
+    from eqjax.methods.rotation import Rotation  # noqa: PLC0415
     from eqjax.models import Model  # noqa: PLC0415
     from eqjax.recipe import Recipe, quantize  # noqa: PLC0415
     from eqjax.recipes import get_recipe  # noqa: PLC0415
-    from eqjax.methods.rotation import Rotation  # noqa: PLC0415
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)

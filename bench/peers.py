@@ -74,15 +74,29 @@ NOTES = {
     "rtn-torch-w4g128-sym": "sanity row: plain RTN in torch, scale = absmax / 7, codes -8..7.",
     "rtn-torch-w4g128-asym": "sanity row: plain RTN in torch, min/max (0 included), codes 0..15.",
     "autoround-i0": "iters=0 is AutoRound's (optimized) RTN: sym W4 searches scales weighted by an activation "
-                    "importance matrix from the calibration windows; asym uses its min/max search. Tuned in bfloat16 "
-                    "(AutoRound's CPU default, amp); integer codes and scales read back and dequantized in fp32.",
+                    "importance matrix from the calibration windows; asym uses its min/max search. Tuned in {tuned}; "
+                    "integer codes and scales read back and dequantized in fp32.",
     "autoround-signround": "SignRound (signed-gradient rounding/clipping tuning per block, batch 8, lr 1/iters, "
-                           "defaults otherwise); bfloat16 tuning (CPU default); codes dequantized in fp32.",
+                           "defaults otherwise); tuned in {tuned}; codes dequantized in fp32.",
     "llmc-gptq-w4g128-sym": "scheme W4A16 (symmetric, group 128), lm_head ignored.",
     "llmc-gptq-w4g64-sym": "workaround for 576 % 128 != 0: group 64 (divides 576 and 1536); NOT g128.",
     "llmc-gptq-w4g64-asym": "workaround for 576 % 128 != 0: group 64 (divides 576 and 1536); NOT g128.",
     "gptqmodel-w4g128-sym": "",
 }
+
+
+def _tuned(row: dict) -> str:
+    """AutoRound's tuning dtype as the row recorded it (its amp: bfloat16 where the CPU supports it)."""
+    rec = row.get("autoround_recovered") or {}
+    dtype = rec.get("tuned_dtype")
+    if dtype == "bfloat16":
+        return "bfloat16 (AutoRound's CPU default, amp)"
+    if dtype:
+        return f"{dtype} (amp off: AutoRound found no bfloat16 support on this CPU)" if dtype == "float32" else dtype
+    # rows from before the dtype was recorded: bfloat16 weights leave w / s up to ~0.06 off an integer, float32 ~1e-6
+    res = rec.get("max_code_residual")
+    return f"bfloat16 (AutoRound's CPU default, amp; not recorded: inferred from w / s up to {res:.2f} off its code)" \
+        if res is not None and res > 1e-3 else "a dtype this row did not record"
 
 
 def _ar(bits: int, sym: bool, iters: int, group: int = 128) -> dict:
@@ -360,7 +374,7 @@ def markdown(data: dict, meta: dict) -> str:
             notes = notes if len(notes) <= 420 else notes[:420] + " ..."
         note = NOTES.get(r["name"].split("-i")[0] if r["tool"] == "auto-round" else r["name"], "")
         if r["tool"] == "auto-round":
-            note = NOTES["autoround-i0" if c.get("iters") == 0 else "autoround-signround"]
+            note = NOTES["autoround-i0" if c.get("iters") == 0 else "autoround-signround"].format(tuned=_tuned(r))
         notes = (note + " " + notes).strip()
         env = r.get("env") or {}
         extra = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers") if k in env and env[k] != r.get("version"))

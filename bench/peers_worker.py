@@ -160,9 +160,10 @@ def autoround(model, tok, calib, cfg: dict, work: pathlib.Path):
 def dequantized_autoround(qmodel, cfg: dict):
     """fp32 model whose quantized linears hold round(w / s) * s, read from AutoRound's in-memory result.
 
-    On CPU AutoRound tunes in bfloat16 by default (amp): its in-memory weights are the bfloat16 fake-quantized
-    values w = (q - zp) * s with per-group scales s (``module.scale``). The integer code q - zp is recovered
-    exactly as round(w / s) (checked: |w / s - round| < 0.25) and dequantized in float32 with the same s, which
+    On CPU AutoRound tunes in bfloat16 by default (amp) where the CPU supports bfloat16, else in float32 (it
+    logs "amp is set to FALSE"); the dtype of its quantized weights is recorded as ``tuned_dtype``. Its
+    in-memory weights are the fake-quantized values w = (q - zp) * s with per-group scales s
+    (``module.scale``). The integer code q - zp is recovered exactly as round(w / s) (checked: |w / s - round| < 0.25) and dequantized in float32 with the same s, which
     is what the packed checkpoint (int codes + scales) evaluates to; everything else comes from the original
     fp32 checkpoint (AutoRound leaves it unquantized).
     """
@@ -171,12 +172,13 @@ def dequantized_autoround(qmodel, cfg: dict):
     data = pathlib.Path(cfg["data"])
     fp = load_fp(data)
     group = cfg["group"]
-    worst, count = 0.0, 0
+    worst, count, dtypes = 0.0, 0, set()
     with torch.no_grad():
         for name, mod in qmodel.named_modules():
             s = getattr(mod, "scale", None)
             if not isinstance(mod, torch.nn.Linear) or not isinstance(s, torch.Tensor):
                 continue
+            dtypes.add(str(mod.weight.dtype).removeprefix("torch."))  # AutoRound's tuning dtype (amp)
             w = mod.weight.detach().float()
             S = s.detach().float().reshape(w.shape[0], -1).repeat_interleave(group, dim=1)[:, : w.shape[1]]
             r = w / S
@@ -189,7 +191,7 @@ def dequantized_autoround(qmodel, cfg: dict):
             count += 1
     if worst >= 0.25:
         raise RuntimeError(f"AutoRound weights are not integer multiples of their scales (max residual {worst:.3f})")
-    fp.autoround_recovered = {"linears": count, "max_code_residual": worst}
+    fp.autoround_recovered = {"linears": count, "max_code_residual": worst, "tuned_dtype": ",".join(sorted(dtypes))}
     return fp
 
 

@@ -15,6 +15,9 @@ Outcomes tallied by :func:`classify`:
   name the cause;
 * ``crash``: killed by a signal (native crash).
 
+The cases live beside this catalogue: fixtures and the record types in robustness_fixtures, API cases
+in robustness_api, kill-during-write cases in robustness_kill, running and classifying in robustness_run.
+
 Used by ``tests/robustness/test_cases.py`` (in-process, through ``eqjax.cli.main``) and by
 ``bench/robustness.py`` (each CLI case in its own ``python -m eqjax.cli`` process), which writes the
 tally to ``bench/results/robustness.{json,md}``.
@@ -23,179 +26,24 @@ tally to ``bench/results/robustness.{json,md}``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
-import os
 import pathlib
-import re
-import signal
-import subprocess
-import sys
 import textwrap
-import threading
-import time
 from typing import Any, Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_ENV_AT_IMPORT = dict(os.environ)  # to name what earlier tests left in the environment a child inherits
-_MAIN_LOCK = threading.Lock()  # eqjax.cli.main in this process: one at a time (pyplot, redirected stdio)
-OUTCOMES = ("clear error", "correct", "silent", "loss", "traceback", "crash")
+from robustness_api import (
+    api_quantize_nan, api_ppl_bad_ids, api_ppl_overflow, api_load_other_model, api_write_json_nan,
+    api_step_from_config, api_rule_from_dict, api_token_cache_content, check_token_cache, api_save_into_file,
+    api_fuzz_recipes,
+)
+from robustness_fixtures import Case, Fixtures, Result, write_hf_model
+from robustness_kill import (
+    kill_atomic_file, kill_checkpoint, kill_onnx, kill_run_then_resume, kill_run_sigint, kill_json_report,
+)
+from robustness_run import MAIN_LOCK, OUTCOMES, run_case
 
-
-# ------------------------------------------------------------------------------------ fixtures
-def _byte_tokenizer(path: pathlib.Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path))
-
-
-def tiny_config(**kw: Any) -> Any:
-    from eqjax.models import LlamaConfig
-
-    base = dict(vocab=256, hidden=64, intermediate=128, n_layers=2, n_heads=2, n_kv_heads=1,
-                tie_word_embeddings=True, max_position_embeddings=128)
-    base.update(kw)
-    return LlamaConfig(**base)
-
-
-def write_hf_model(d: pathlib.Path, *, seed: int = 0, mutate: Callable[[dict], None] | None = None,
-                   tokenizer: bool = True, **cfg: Any) -> pathlib.Path:
-    """A tiny random Llama as an HF directory (+ byte-level tokenizer.json)."""
-    import jax
-
-    from eqjax.io.hf import save_hf_checkpoint
-    from eqjax.models import Model
-
-    model = Model(tiny_config(**cfg))
-    params = model.init_params(jax.random.PRNGKey(seed), std=0.05)
-    if mutate is not None:
-        params = jax.tree.map(lambda x: x, params)
-        mutate(params)
-    save_hf_checkpoint(d, model, params)
-    if tokenizer:
-        _byte_tokenizer(d / "tokenizer.json")
-    return d
-
-
-def write_gguf(path: pathlib.Path) -> pathlib.Path:
-    """A tiny llama GGUF (byte-level BPE vocabulary of 259 tokens, hidden 8)."""
-    import gguf
-    import numpy as np
-
-    from eqjax.tokenizer import bytes_to_unicode
-
-    D, F, HQ, HKV, HD, L = 8, 32, 2, 1, 4, 2
-    tokens = ["<|endoftext|>", *bytes_to_unicode().values(), "Ġt", "he", "Ġthe"]
-    rng = np.random.default_rng(0)
-    r = lambda *s: (0.3 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-    w = {"token_embd.weight": r(len(tokens), D), "output_norm.weight": 1 + r(D)}
-    for i in range(L):
-        w |= {f"blk.{i}.attn_norm.weight": 1 + r(D), f"blk.{i}.attn_q.weight": r(HQ * HD, D),
-              f"blk.{i}.attn_k.weight": r(HKV * HD, D), f"blk.{i}.attn_v.weight": r(HKV * HD, D),
-              f"blk.{i}.attn_output.weight": r(D, HQ * HD), f"blk.{i}.ffn_norm.weight": 1 + r(D),
-              f"blk.{i}.ffn_gate.weight": r(F, D), f"blk.{i}.ffn_up.weight": r(F, D), f"blk.{i}.ffn_down.weight": r(D, F)}
-    gw = gguf.GGUFWriter(path, "llama")
-    gw.add_block_count(L)
-    gw.add_context_length(64)
-    gw.add_embedding_length(D)
-    gw.add_feed_forward_length(F)
-    gw.add_head_count(HQ)
-    gw.add_head_count_kv(HKV)
-    gw.add_rope_dimension_count(HD)
-    gw.add_layer_norm_rms_eps(1e-5)
-    gw.add_vocab_size(len(tokens))
-    gw.add_tokenizer_model("gpt2")
-    gw.add_tokenizer_pre("smollm")
-    gw.add_token_list(tokens)
-    gw.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    gw.add_token_types([3] + [1] * (len(tokens) - 1))
-    for name, a in w.items():
-        gw.add_tensor(name, a)
-    gw.write_header_to_file()
-    gw.write_kv_data_to_file()
-    gw.write_tensors_to_file()
-    gw.close()
-    return path
-
-
-TEXT = ("The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun. " * 40)
-
-
-@dataclasses.dataclass
-class Fixtures:
-    """Shared inputs, built once: a tiny HF model, a text, a tiny GGUF, a good checkpoint."""
-
-    root: pathlib.Path
-
-    def build(self) -> "Fixtures":
-        import onnx  # noqa: F401 - imported once here, not first inside concurrent checks
-
-        r = self.root
-        r.mkdir(parents=True, exist_ok=True)
-        write_hf_model(r / "tiny")
-        (r / "text.txt").write_text(TEXT, encoding="utf-8")
-        write_gguf(r / "tiny.gguf")
-        write_hf_model(r / "other", hidden=32, intermediate=64)
-        self.save_checkpoint(r / "ck", "w8")
-        return self
-
-    def save_checkpoint(self, out: pathlib.Path, recipe: str) -> pathlib.Path:
-        from eqjax.io import load_model
-        from eqjax.io.orbax import save_quantized
-        from eqjax.recipe import quantize
-        from eqjax.recipes import get_recipe
-
-        model, params, _ = load_model(self.root / "tiny")
-        rec = get_recipe(recipe)
-        save_quantized(out, quantize(params, rec, model=model), recipe=rec, model=model)
-        return out
-
-    def values(self) -> dict[str, str]:
-        r = self.root
-        return {"tiny": str(r / "tiny"), "text": str(r / "text.txt"), "gguf": str(r / "tiny.gguf"),
-                "other": str(r / "other"), "ck": str(r / "ck")}
-
-
-# ------------------------------------------------------------------------------------ cases
-@dataclasses.dataclass
-class Result:
-    rc: int | None
-    out: str = ""
-    err: str = ""
-    value: Any = None  # API cases: the returned value
-    exc: BaseException | None = None  # API cases: the exception raised
-
-
-@dataclasses.dataclass
-class Case:
-    """One user action and the outcome it must have.
-
-    ``argv``: CLI arguments (``{name}`` placeholders from the fixtures and from ``setup``'s dict);
-    ``api``: instead, a callable ``(fx, work, values) -> value`` run in-process; ``kill``: instead, a
-    callable ``(fx, work, values) -> str | None`` that runs a subprocess and kills it (returns a failure
-    description, or None). ``expect``: ``"error"`` or ``"ok"``. ``code``: the exit code of an error.
-    ``cause``: a regex the error message must match (it names the cause). ``check``:
-    ``(fx, work, values, result) -> str | None``, a failure description for a wrong/missing output
-    (classified ``silent``) or, starting with ``"loss:"``, damage to a previous artifact.
-    """
-
-    name: str
-    group: str
-    expect: str = "error"
-    argv: list[str] | None = None
-    api: Callable[..., Any] | None = None
-    kill: Callable[..., str | None] | None = None
-    code: int = 2
-    cause: str = ""
-    setup: Callable[[Fixtures, pathlib.Path], dict[str, str]] | None = None
-    check: Callable[..., str | None] | None = None
-    env: dict[str, str] | None = None
-    slow: bool = False
+__all__ = ["OUTCOMES", "Case", "Fixtures", "Result", "catalogue", "run_case"]
 
 
 EVAL = ["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64"]
@@ -387,7 +235,7 @@ def _resume_setup(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
 
     out = work / "run"
     err = io.StringIO()
-    with _MAIN_LOCK, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    with MAIN_LOCK, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         rc = main(["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--ctx", "32",
                    "--eval-tokens", "64", "--recipes", "fp", "--out", str(out)])
     assert rc == 0, err.getvalue()[-500:]
@@ -412,388 +260,6 @@ def _resume_check(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Resu
     return None
 
 
-# -------------------------------------------------------------------- API cases (in-process)
-def _api_quantize_nan(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    import numpy as np
-
-    from eqjax.io import load_model
-    from eqjax.recipe import quantize
-    from eqjax.recipes import get_recipe
-
-    model, params, _ = load_model(fx.root / "tiny")
-    params["layers_1"]["mlp_norm"]["scale"] = np.asarray(params["layers_1"]["mlp_norm"]["scale"]).copy()
-    params["layers_1"]["mlp_norm"]["scale"][5] = np.nan
-    return quantize(params, get_recipe("w8"), model=model)
-
-
-def _api_ppl_bad_ids(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    import numpy as np
-
-    from eqjax.evaluate import perplexity
-    from eqjax.io import load_model
-
-    model, params, _ = load_model(fx.root / "tiny")
-    return perplexity(model, params, np.full((1, 8), 300, np.int32))
-
-
-def _api_ppl_overflow(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    import jax
-    import numpy as np
-
-    from eqjax.evaluate import perplexity
-    from eqjax.io import load_model
-
-    model, params, _ = load_model(fx.root / "tiny")
-    params = jax.tree.map(lambda x: x * 1e12, params)  # finite but absurd weights: logits explode
-    return perplexity(model, params, np.arange(16, dtype=np.int32).reshape(1, 16))
-
-
-def _api_load_other_model(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.io import load_model
-    from eqjax.io.orbax import load_quantized
-
-    model, _, _ = load_model(fx.root / "other")
-    return load_quantized(fx.root / "ck", model=model)
-
-
-def _api_write_json_nan(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.atomic import write_json
-
-    return write_json(work / "x.json", {"ppl": float("inf")})
-
-
-def _api_step_from_config(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.methods.gptq import GPTQ
-
-    return GPTQ.from_config({"bits": "4"})
-
-
-def _api_rule_from_dict(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.rules import rule_from_dict
-
-    return rule_from_dict({"pattern": ".*", "bits": 4, "granularity": "tensor", "axis": 0})
-
-
-def _api_token_cache_content(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    """Two tokenizer.json files of the same size and vocabulary size but different merges/ids: the
-    cache must not hand the first one's ids to the second."""
-    import shutil
-
-    from eqjax.data import encode_cached
-    from eqjax.io import HFTokenizer
-
-    os.environ["EQJAX_CACHE"] = str(work / "cache")
-    a = work / "a" / "tokenizer.json"
-    a.parent.mkdir()
-    shutil.copy(fx.root / "tiny" / "tokenizer.json", a)
-    raw = json.loads(a.read_text())
-    vocab = raw["model"]["vocab"]
-    keys = sorted(vocab)
-    ids = [vocab[k] for k in keys]
-    raw["model"]["vocab"] = dict(zip(keys, ids[::-1]))  # same tokens, same count, other ids
-    b = work / "b" / "tokenizer.json"
-    b.parent.mkdir()
-    b.write_text(json.dumps(raw))
-    ta, tb = HFTokenizer(a), HFTokenizer(b)
-    x = encode_cached(ta, "hello world")
-    y = encode_cached(tb, "hello world")
-    return (x.tolist(), y.tolist(), tb.encode("hello world"))
-
-
-def _check_token_cache(fx: Fixtures, work: pathlib.Path, v: dict, res: Result) -> str | None:
-    x, y, truth = res.value
-    if y != truth:
-        return "stale token ids from the cache"
-    return None
-
-
-def _api_save_into_file(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.io.orbax import save_quantized
-
-    p = work / "file"
-    p.write_text("keep me")
-    return save_quantized(p, {"a": __import__("numpy").ones(3, "float32")})
-
-
-def _api_fuzz_recipes(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    """200 random recipe dicts: each is a RecipeError-family error or a valid recipe."""
-    import random
-
-    from eqjax.recipe import Recipe, RecipeError, recipe_from_dict
-
-    rng = random.Random(0)
-    keys = ["pattern", "bits", "symmetric", "granularity", "group_size", "axis", "calibrator", "percentile",
-            "scale_dtype", "act_bits", "act_granularity", "skip", "bitz", ""]
-    vals = [None, True, False, 0, 1, 4, 8, 4.7, -1, 10**30, float("nan"), "", "false", ".*/kernel", "((", "group",
-            "channel", "tensor", "float16", [], {}, [1], {"a": 1}]
-    bad = []
-    for _ in range(200):
-        rule = {rng.choice(keys): rng.choice(vals) for _ in range(rng.randint(0, 5))}
-        step = {"method": rng.choice(["rtn", "gptq", "awq", "smoothquant", "nope", 3])}
-        if rng.random() < 0.8:
-            step["rules"] = [rule] if step["method"] == "rtn" else rule
-        d = {"name": rng.choice(["x", "", 5]), "steps": rng.choice([[step], step, 5, []])}
-        if rng.random() < 0.2:
-            d["kv"] = {rng.choice(["bits", "key_bits", "x"]): rng.choice(vals)}
-        try:
-            r = recipe_from_dict(d)
-            assert isinstance(r, Recipe)
-        except RecipeError:
-            pass
-        except Exception as e:  # noqa: BLE001
-            bad.append(f"{d!r}: {type(e).__name__}: {e}")
-    if bad:
-        raise AssertionError(f"{len(bad)} recipe dicts raised outside the RecipeError family, e.g. {bad[0]}")
-    return 200
-
-
-# -------------------------------------------------------------------- kill-during-write cases
-_PY = [sys.executable, "-c"]
-
-
-def _child(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    e = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
-    e.update(env or {})
-    return subprocess.Popen([*_PY, textwrap.dedent(code), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=str(ROOT), env=e)
-
-
-def _wait_line(p: subprocess.Popen, word: str, timeout: float = 120) -> bool:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        line = p.stdout.readline()
-        if not line:
-            return False
-        if word in line:
-            return True
-    return False
-
-
-def _kill(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    try:
-        p.send_signal(sig)
-    except ProcessLookupError:
-        pass
-    p.wait(timeout=60)
-
-
-def _kill_atomic_file(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    from eqjax.atomic import stale_temps, write_bytes
-
-    target = work / "big.bin"
-    old = b"previous good artifact\n" * 1000
-    write_bytes(target, old)
-    p = _child("""
-        import sys, time
-        from eqjax.atomic import atomic_file
-        with atomic_file(sys.argv[1], "wb") as f:
-            for i in range(2000):
-                f.write(b"N" * (1 << 20)); f.flush()
-                if i == 3: print("writing", flush=True)
-                time.sleep(0.01)
-        print("done", flush=True)
-    """, str(target))
-    if not _wait_line(p, "writing"):
-        _kill(p)
-        return f"the writer did not start: {p.stderr.read()[-300:]}"
-    _kill(p)
-    if target.read_bytes() != old:
-        return "loss: the previous file was changed by a killed write"
-    if not stale_temps(target):
-        return "the partial write is not detectable (no temporary left)"
-    write_bytes(target, b"new")  # the next write replaces it and removes the dead writer's temporary
-    if target.read_bytes() != b"new" or stale_temps(target):
-        return "the next write did not clean up"
-    return None
-
-
-def _kill_checkpoint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    import shutil
-
-    from eqjax.io import load_model
-    from eqjax.io.orbax import load_quantized
-
-    ck = work / "ck"
-    shutil.copytree(fx.root / "ck", ck)
-    before = (ck / "eqjax.json").read_bytes()
-    p = _child("""
-        import sys, time
-        import eqjax.io.orbax as o
-        real = o._file_table
-        def slow(root):
-            print("saving", flush=True); time.sleep(600); return real(root)
-        o._file_table = slow
-        sys.path.insert(0, sys.argv[2])
-        from robustness_cases import Fixtures
-        import pathlib
-        fx = Fixtures(pathlib.Path(sys.argv[3]))
-        from eqjax.io import load_model
-        from eqjax.io.orbax import save_quantized
-        from eqjax.recipe import quantize
-        from eqjax.recipes import get_recipe
-        model, params, _ = load_model(fx.root / "tiny")
-        save_quantized(sys.argv[1], quantize(params, get_recipe("w4g128-rtn"), model=model), recipe="w4g128-rtn", model=model,
-                       overwrite=True)
-    """, str(ck), str(pathlib.Path(__file__).parent), str(fx.root))
-    if not _wait_line(p, "saving"):
-        _kill(p)
-        return f"the save did not start: {p.stderr.read()[-300:]}"
-    _kill(p)
-    if (ck / "eqjax.json").read_bytes() != before:
-        return "loss: the previous checkpoint's manifest changed"
-    model, _, _ = load_model(fx.root / "tiny")
-    try:
-        _, m = load_quantized(ck, model=model)
-    except Exception as e:  # noqa: BLE001
-        return f"loss: the previous checkpoint no longer loads: {e}"
-    if m["recipe"] != "w8":
-        return "loss: the previous checkpoint was replaced by a partial one"
-    partial = [q for q in work.iterdir() if q.name.startswith(".ck.tmp-")]
-    if not partial:
-        return "the partial checkpoint is not detectable"
-    try:
-        load_quantized(partial[0])
-        return "a partial checkpoint loaded"
-    except Exception as e:  # noqa: BLE001
-        if "incomplete checkpoint" not in str(e):
-            return f"a partial checkpoint gives an unclear error: {e}"
-    return None
-
-
-def _kill_onnx(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    pkg = work / "pkg"
-    pkg.mkdir()
-    target = pkg / "model.onnx"
-    old = b"previous onnx file" * 100
-    target.write_bytes(old)
-    p = _child("""
-        import sys, time
-        import onnx
-        def slow_save(m, path, **kw):
-            data = m.SerializeToString()
-            with open(path, "wb") as f:
-                for i in range(0, len(data), 256):
-                    f.write(data[i:i + 256]); f.flush()
-                    if i == 0: print("writing", flush=True)
-                    time.sleep(0.05)
-        onnx.save_model = slow_save
-        from eqjax.io.gguf import load_gguf
-        from eqjax.models import Model
-        from eqjax.export.package import export_package
-        cfg, params, tok = load_gguf(sys.argv[2])
-        export_package(Model(cfg), params, sys.argv[1], tokenizer=tok, overwrite=True, check=False)
-    """, str(pkg), str(fx.root / "tiny.gguf"))
-    if not _wait_line(p, "writing"):
-        _kill(p)
-        return f"the export did not start: {p.stderr.read()[-300:]}"
-    time.sleep(0.2)
-    _kill(p)
-    if target.read_bytes() != old:
-        return "loss: the previous ONNX package was damaged by a killed export"
-    return None
-
-
-def _run_cmd(fx: Fixtures, out: pathlib.Path, recipes: str, *extra: str) -> list[str]:
-    return ["-m", "eqjax.cli", "run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"),
-            "--ctx", "32", "--eval-tokens", "64", "--recipes", recipes, "--out", str(out), *extra]
-
-
-def _kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = signal.SIGKILL) -> str | None:
-    out = work / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    # enough recipes after the second row that the kill lands before the run ends, even on a loaded machine
-    names = "fp,w8,w4g128-rtn,w8a8-naive,w8-absmax,w8-zeropoint,w4g128-rtn-sym,w8a8-zeroquant"
-    # Ctrl-C as a user's shell delivers it: the child starts with SIGINT at its default and unblocked even
-    # if something earlier in this test process left it ignored or blocked (both are inherited across exec)
-    def as_a_shell() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-    p = subprocess.Popen([sys.executable, *_run_cmd(fx, out, names)], cwd=str(ROOT),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=as_a_shell)
-    rows = out / "rows.jsonl"
-    t0 = time.time()
-    while time.time() - t0 < 180:
-        if rows.is_file() and rows.read_text().count("\n") >= 2:
-            break
-        if p.poll() is not None:
-            return f"the run ended before it could be killed: {p.stderr.read()[-300:]}"
-        time.sleep(0.05)
-    masks = _signal_masks(p.pid) if sig == signal.SIGINT else ""
-    _kill(p, sig)
-    err = p.stderr.read()
-    if sig == signal.SIGINT:
-        if p.returncode != 130 or "--resume" not in err.strip().splitlines()[-1]:
-            swallowed = [x for x in err.splitlines() if "Exception ignored" in x or "KeyboardInterrupt" in x][:3]
-            return (f"Ctrl-C: exit {p.returncode}, last line {err.strip().splitlines()[-1:]}; "
-                    f"{swallowed or 'no trace of it'}; child before the signal: {masks}; environment changed "
-                    f"since import: {_env_changes()}")
-    kept = [json.loads(x) for x in rows.read_text().splitlines()[1:] if x.strip().endswith("}")]
-    if not kept:
-        return "loss: no finished row kept after the kill"
-    r = subprocess.run([sys.executable, *_run_cmd(fx, out, names, "--resume")], cwd=str(ROOT),
-                       capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        return f"--resume failed: {r.stderr.strip().splitlines()[-1:]}"
-    res = json.loads((out / "results.json").read_text())["results"]
-    if [x["recipe"] for x in res] != names.split(","):
-        return f"resumed rows {[x['recipe'] for x in res]}"
-    if res[0]["ppl"] != kept[0]["row"]["ppl"]:
-        return "loss: a kept row was measured again"
-    return None
-
-
-def _signal_masks(pid: int) -> str:
-    """The child's SIGINT state per thread from /proc (blocked / ignored / caught), for a failure message."""
-    bit = 1 << (signal.SIGINT - 1)
-    out = []
-    try:
-        tasks = sorted(pathlib.Path(f"/proc/{pid}/task").iterdir())
-        for task in tasks:
-            f = dict(x.split(":\t", 1) for x in (task / "status").read_text().splitlines() if ":\t" in x)
-            flags = [k for k in ("SigBlk", "SigIgn", "SigCgt") if int(f.get(k, "0"), 16) & bit]
-            if task.name == str(pid) or flags != ["SigCgt"]:
-                out.append(f"{task.name}({f.get('Name', '?').strip()}):{'+'.join(flags) or 'default'}")
-    except OSError as e:
-        return f"unreadable ({e})"
-    return ", ".join(out) + f" ({len(tasks)} threads)"
-
-
-def _env_changes() -> dict[str, str | None]:
-    now = dict(os.environ)
-    return {k: now.get(k) for k in sorted(set(now) | set(_ENV_AT_IMPORT))
-            if now.get(k) != _ENV_AT_IMPORT.get(k) and k != "PYTEST_CURRENT_TEST"}
-
-
-def _kill_run_sigint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    return _kill_run_then_resume(fx, work, v, signal.SIGINT)
-
-
-def _kill_json_report(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    """Kill a process in the middle of write_json over an existing result: old or new, never half."""
-    from eqjax.atomic import write_json
-
-    target = work / "r.json"
-    write_json(target, {"ppl": 1.5})
-    old = target.read_bytes()
-    p = _child("""
-        import sys, time, os
-        import eqjax.atomic as a
-        real = os.fsync
-        def slow(fd):
-            print("fsync", flush=True); time.sleep(600)
-        os.fsync = slow
-        a.write_json(sys.argv[1], {"ppl": 2.5, "big": list(range(100000))})
-    """, str(target))
-    if not _wait_line(p, "fsync"):
-        _kill(p)
-        return f"the writer did not start: {p.stderr.read()[-300:]}"
-    _kill(p)
-    if target.read_bytes() != old:
-        return "loss: the previous JSON result was changed by a killed write"
-    json.loads(target.read_text())
-    return None
-
 
 def _existing_package(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
     (work / "pkg").mkdir()
@@ -807,6 +273,7 @@ def _onnx_ok(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Result) -
     m = onnx.load_model(str(pathlib.Path(v["o"]) / "model.onnx"))
     onnx.checker.check_model(m)
     return None if m.graph.node else "empty graph"
+
 
 
 # ------------------------------------------------------------------------------------ catalogue
@@ -1051,145 +518,24 @@ def catalogue() -> list[Case]:
              setup=_ck_copy("c", lambda d: _largest_data_file(d).unlink())))
 
     T = "api"
-    add(Case("api: quantize params with a NaN norm", T, api=_api_quantize_nan, cause=r"layers_1/mlp_norm/scale.*\(5,\)"))
-    add(Case("api: perplexity with ids beyond the vocabulary", T, api=_api_ppl_bad_ids, cause=r"\[0, 256\).*300"))
-    add(Case("api: perplexity of a model whose logits blow up", T, api=_api_ppl_overflow, code=1, cause=r"(perplexity overflows|non-finite loss)"))
-    add(Case("api: load a checkpoint into another model", T, api=_api_load_other_model, cause=r"another model"))
-    add(Case("api: write_json with Infinity", T, api=_api_write_json_nan, code=1, cause=r"x\.json.*ppl"))
-    add(Case("api: GPTQ.from_config bits = \"4\"", T, api=_api_step_from_config, cause=r"bits.*integer"))
-    add(Case("api: rule_from_dict axis with tensor granularity", T, api=_api_rule_from_dict, cause=r"axis.*tensor"))
-    add(Case("api: token cache with a changed tokenizer.json", T, expect="ok", api=_api_token_cache_content,
-             check=_check_token_cache))
-    add(Case("api: save a checkpoint onto a file", T, api=_api_save_into_file, cause=r"file"))
-    add(Case("api: 200 random recipe dicts (fuzz)", T, expect="ok", api=_api_fuzz_recipes))
+    add(Case("api: quantize params with a NaN norm", T, api=api_quantize_nan, cause=r"layers_1/mlp_norm/scale.*\(5,\)"))
+    add(Case("api: perplexity with ids beyond the vocabulary", T, api=api_ppl_bad_ids, cause=r"\[0, 256\).*300"))
+    add(Case("api: perplexity of a model whose logits blow up", T, api=api_ppl_overflow, code=1, cause=r"(perplexity overflows|non-finite loss)"))
+    add(Case("api: load a checkpoint into another model", T, api=api_load_other_model, cause=r"another model"))
+    add(Case("api: write_json with Infinity", T, api=api_write_json_nan, code=1, cause=r"x\.json.*ppl"))
+    add(Case("api: GPTQ.from_config bits = \"4\"", T, api=api_step_from_config, cause=r"bits.*integer"))
+    add(Case("api: rule_from_dict axis with tensor granularity", T, api=api_rule_from_dict, cause=r"axis.*tensor"))
+    add(Case("api: token cache with a changed tokenizer.json", T, expect="ok", api=api_token_cache_content,
+             check=check_token_cache))
+    add(Case("api: save a checkpoint onto a file", T, api=api_save_into_file, cause=r"file"))
+    add(Case("api: 200 random recipe dicts (fuzz)", T, expect="ok", api=api_fuzz_recipes))
 
     T = "kill"
-    add(Case("kill: SIGKILL during an atomic file write", T, expect="ok", kill=_kill_atomic_file))
-    add(Case("kill: SIGKILL during a checkpoint save (--overwrite)", T, expect="ok", kill=_kill_checkpoint, slow=True))
-    add(Case("kill: SIGKILL during an ONNX write", T, expect="ok", kill=_kill_onnx, slow=True))
-    add(Case("kill: SIGKILL during a JSON result write", T, expect="ok", kill=_kill_json_report))
-    add(Case("kill: SIGKILL during eqjax run, then --resume", T, expect="ok", kill=_kill_run_then_resume, slow=True))
-    add(Case("kill: Ctrl-C during eqjax run, then --resume", T, expect="ok", kill=_kill_run_sigint, slow=True))
+    add(Case("kill: SIGKILL during an atomic file write", T, expect="ok", kill=kill_atomic_file))
+    add(Case("kill: SIGKILL during a checkpoint save (--overwrite)", T, expect="ok", kill=kill_checkpoint, slow=True))
+    add(Case("kill: SIGKILL during an ONNX write", T, expect="ok", kill=kill_onnx, slow=True))
+    add(Case("kill: SIGKILL during a JSON result write", T, expect="ok", kill=kill_json_report))
+    add(Case("kill: SIGKILL during eqjax run, then --resume", T, expect="ok", kill=kill_run_then_resume, slow=True))
+    add(Case("kill: Ctrl-C during eqjax run, then --resume", T, expect="ok", kill=kill_run_sigint, slow=True))
     return cases
 
-
-# ------------------------------------------------------------------------------------ running
-def _fmt(args: list[str], values: dict[str, str]) -> list[str]:
-    return [a.format(**values) for a in args]
-
-
-def run_cli_inprocess(argv: list[str], env: dict[str, str] | None = None) -> Result:
-    from eqjax.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        with _MAIN_LOCK, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = main(argv)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else 2
-            except BaseException:  # noqa: BLE001 - main must not raise; report it as a traceback
-                import traceback
-
-                traceback.print_exc()
-                rc = 1
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return Result(rc, out.getvalue(), err.getvalue())
-
-
-def run_cli_subprocess(argv: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> Result:
-    e = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu",
-         **(env or {})}
-    try:
-        r = subprocess.run([sys.executable, "-m", "eqjax.cli", *argv], capture_output=True, text=True, cwd=str(ROOT),
-                           env=e, timeout=timeout)
-    except subprocess.TimeoutExpired as t:
-        return Result(None, str(t.stdout or ""), f"timeout after {timeout} s")
-    return Result(r.returncode, r.stdout, r.stderr)
-
-
-def run_case(case: Case, fx: Fixtures, work: pathlib.Path, *, subprocess_cli: bool = False) -> tuple[str, str, float]:
-    """Run ``case``; returns ``(outcome, detail, seconds)``."""
-    t0 = time.perf_counter()
-    try:
-        return _run_case(case, fx, work, subprocess_cli=subprocess_cli, t0=t0)
-    except Exception as e:  # noqa: BLE001 - a broken case (setup/check) is reported, not fatal
-        import traceback
-
-        return "traceback", "case machinery failed: " + "".join(traceback.format_exception(e))[-400:], time.perf_counter() - t0
-
-
-def _run_case(case: Case, fx: Fixtures, work: pathlib.Path, *, subprocess_cli: bool, t0: float) -> tuple[str, str, float]:
-    work.mkdir(parents=True, exist_ok=True)
-    values = fx.values()
-    if case.setup is not None:
-        values.update(case.setup(fx, work))
-    if case.kill is not None:
-        try:
-            failure = case.kill(fx, work, values)
-        except Exception as e:  # noqa: BLE001
-            import traceback
-
-            return "traceback", "".join(traceback.format_exception(e))[-400:], time.perf_counter() - t0
-        dt = time.perf_counter() - t0
-        if failure is None:
-            return "correct", "previous artifact intact; partial output detectable; resumable", dt
-        return ("loss" if failure.startswith("loss") else "silent"), failure, dt
-    if case.api is not None:
-        from eqjax.errors import classify as error_kind
-        from eqjax.errors import exit_code
-
-        res = Result(0)
-        try:
-            res.value = case.api(fx, work, values)
-        except BaseException as e:  # noqa: BLE001
-            res.exc = e
-            res.rc = exit_code(e)
-            res.err = f"eqjax: error: {e}" if error_kind(e) != "internal" else f"Traceback: {type(e).__name__}: {e}"
-    else:
-        argv = _fmt(case.argv or [], values)
-        res = run_cli_subprocess(argv, case.env) if subprocess_cli else run_cli_inprocess(argv, case.env)
-    outcome, detail = classify(case, fx, work, values, res)
-    return outcome, detail, time.perf_counter() - t0
-
-
-def classify(case: Case, fx: Fixtures, work: pathlib.Path, values: dict[str, str], res: Result) -> tuple[str, str]:
-    err_lines = [x for x in res.err.strip().splitlines() if x.strip()]
-    last = err_lines[-1].strip() if err_lines else ""
-    last = last.split("\r")[-1]  # progress bars rewrite their line with \r
-    if res.rc is None:
-        return "traceback", "timed out"
-    if res.rc < 0:
-        return "crash", f"killed by signal {-res.rc}"
-    if "Traceback" in res.err or "internal error" in res.err:
-        return "traceback", last[:300]
-    if case.check is not None:
-        problem = case.check(fx, work, values, res)
-        if problem and problem.startswith("loss"):
-            return "loss", problem
-    else:
-        problem = None
-    if case.expect == "error":
-        if res.rc == 0:
-            return "silent", "exit 0 where an error was due"
-        if res.rc != case.code:
-            return "traceback", f"exit {res.rc}, expected {case.code}: {last[:200]}"
-        if not last.startswith("eqjax: error:"):
-            return "traceback", f"last line is not an 'eqjax: error:' line: {last[:200]}"
-        if case.cause and not re.search(case.cause, last):
-            return "traceback", f"the message does not name the cause ({case.cause!r}): {last[:200]}"
-        if problem:
-            return "silent", problem
-        return "clear error", last[len("eqjax: error: "):][:300]
-    if res.rc != 0:
-        return "traceback", f"exit {res.rc} where success was due: {last[:200]}"
-    if problem:
-        return "silent", problem
-    return "correct", "ok"

@@ -38,6 +38,16 @@ def _wait_line(p: subprocess.Popen, word: str, timeout: float = 120) -> bool:
     return False
 
 
+def _kill_once(p: subprocess.Popen, word: str, what: str, delay: float = 0.0) -> str | None:
+    """SIGKILL ``p`` ``delay`` s after it prints ``word``; a failure description if it never printed it."""
+    if not _wait_line(p, word):
+        _kill(p)
+        return f"the {what} did not start: {p.stderr.read()[-300:]}"
+    time.sleep(delay)
+    _kill(p)
+    return None
+
+
 def _kill(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     try:
         p.send_signal(sig)
@@ -62,10 +72,9 @@ def kill_atomic_file(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
                 time.sleep(0.01)
         print("done", flush=True)
     """, str(target))
-    if not _wait_line(p, "writing"):
-        _kill(p)
-        return f"the writer did not start: {p.stderr.read()[-300:]}"
-    _kill(p)
+    failure = _kill_once(p, "writing", "writer")
+    if failure:
+        return failure
     if target.read_bytes() != old:
         return "loss: the previous file was changed by a killed write"
     if not stale_temps(target):
@@ -104,10 +113,9 @@ def kill_checkpoint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
         save_quantized(sys.argv[1], quantize(params, get_recipe("w4g128-rtn"), model=model), recipe="w4g128-rtn", model=model,
                        overwrite=True)
     """, str(ck), str(pathlib.Path(__file__).parent), str(fx.root))
-    if not _wait_line(p, "saving"):
-        _kill(p)
-        return f"the save did not start: {p.stderr.read()[-300:]}"
-    _kill(p)
+    failure = _kill_once(p, "saving", "save")
+    if failure:
+        return failure
     if (ck / "eqjax.json").read_bytes() != before:
         return "loss: the previous checkpoint's manifest changed"
     model, _, _ = load_model(fx.root / "tiny")
@@ -152,11 +160,9 @@ def kill_onnx(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
         cfg, params, tok = load_gguf(sys.argv[2])
         export_package(Model(cfg), params, sys.argv[1], tokenizer=tok, overwrite=True, check=False)
     """, str(pkg), str(fx.root / "tiny.gguf"))
-    if not _wait_line(p, "writing"):
-        _kill(p)
-        return f"the export did not start: {p.stderr.read()[-300:]}"
-    time.sleep(0.2)
-    _kill(p)
+    failure = _kill_once(p, "writing", "export", delay=0.2)
+    if failure:
+        return failure
     if target.read_bytes() != old:
         return "loss: the previous ONNX package was damaged by a killed export"
     return None
@@ -254,10 +260,9 @@ def kill_json_report(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
         os.fsync = slow
         a.write_json(sys.argv[1], {"ppl": 2.5, "big": list(range(100000))})
     """, str(target))
-    if not _wait_line(p, "fsync"):
-        _kill(p)
-        return f"the writer did not start: {p.stderr.read()[-300:]}"
-    _kill(p)
+    failure = _kill_once(p, "fsync", "writer")
+    if failure:
+        return failure
     if target.read_bytes() != old:
         return "loss: the previous JSON result was changed by a killed write"
     json.loads(target.read_text())

@@ -164,8 +164,9 @@ def dequantized_autoround(qmodel, cfg: dict):
     logs "amp is set to FALSE"); the dtype of its quantized weights is recorded as ``tuned_dtype``. Its
     in-memory weights are the fake-quantized values w = (q - zp) * s with per-group scales s
     (``module.scale``). The integer code q - zp is recovered exactly as round(w / s) (checked:
-    |w / s - round| < 0.25) and dequantized in float32 with the same s, which is what the packed checkpoint (int codes + scales) evaluates to; everything else comes from the original
-    fp32 checkpoint (AutoRound leaves it unquantized).
+    |w / s - round| < 0.25) and dequantized in float32 with the same s, which is what the packed checkpoint
+    (int codes + scales) evaluates to; everything else comes from the original fp32 checkpoint (AutoRound
+    leaves it unquantized).
     """
     import torch
 

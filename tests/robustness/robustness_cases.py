@@ -260,7 +260,6 @@ def _resume_check(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Resu
     return None
 
 
-
 def _existing_package(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
     (work / "pkg").mkdir()
     (work / "pkg" / "model.onnx").write_bytes(b"old onnx")
@@ -273,7 +272,6 @@ def _onnx_ok(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Result) -
     m = onnx.load_model(str(pathlib.Path(v["o"]) / "model.onnx"))
     onnx.checker.check_model(m)
     return None if m.graph.node else "empty graph"
-
 
 
 # ------------------------------------------------------------------------------------ catalogue

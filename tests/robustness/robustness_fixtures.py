@@ -128,7 +128,6 @@ class Fixtures:
                 "other": str(r / "other"), "ck": str(r / "ck")}
 
 
-
 # ------------------------------------------------------------------------------------ cases
 @dataclasses.dataclass
 class Result:

@@ -91,8 +91,10 @@ def _tuned(row: dict) -> str:
     dtype = rec.get("tuned_dtype")
     if dtype == "bfloat16":
         return "bfloat16 (AutoRound's CPU default, amp)"
+    if dtype == "float32":
+        return "float32 (amp off: AutoRound found no bfloat16 support on this CPU)"
     if dtype:
-        return f"{dtype} (amp off: AutoRound found no bfloat16 support on this CPU)" if dtype == "float32" else dtype
+        return dtype
     # rows from before the dtype was recorded: bfloat16 weights leave w / s up to ~0.06 off an integer, float32 ~1e-6
     res = rec.get("max_code_residual")
     return f"bfloat16 (AutoRound's CPU default, amp; not recorded: inferred from w / s up to {res:.2f} off its code)" \

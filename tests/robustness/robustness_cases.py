@@ -25,8 +25,6 @@ tally to ``bench/results/robustness.{json,md}``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import pathlib
 import textwrap
@@ -41,7 +39,7 @@ from robustness_fixtures import Case, Fixtures, Result, write_hf_model
 from robustness_kill import (
     kill_atomic_file, kill_checkpoint, kill_onnx, kill_run_then_resume, kill_run_sigint, kill_json_report,
 )
-from robustness_run import MAIN_LOCK, OUTCOMES, run_case
+from robustness_run import OUTCOMES, run_case, run_cli_inprocess
 
 __all__ = ["OUTCOMES", "Case", "Fixtures", "Result", "catalogue", "run_case"]
 
@@ -231,14 +229,10 @@ def _run_rows(n: int, key: str = "o") -> Callable[..., str | None]:
 
 def _resume_setup(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
     """An interrupted run: rows.jsonl with the header and the fp row (and a torn last line)."""
-    from eqjax.cli import main
-
     out = work / "run"
-    err = io.StringIO()
-    with MAIN_LOCK, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        rc = main(["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--ctx", "32",
-                   "--eval-tokens", "64", "--recipes", "fp", "--out", str(out)])
-    assert rc == 0, err.getvalue()[-500:]
+    res = run_cli_inprocess(["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--ctx", "32",
+                             "--eval-tokens", "64", "--recipes", "fp", "--out", str(out)])
+    assert res.rc == 0, res.err[-500:]
     lines = (out / "rows.jsonl").read_text().splitlines()
     (out / "rows.jsonl").write_text("\n".join(lines[:2]) + '\n{"row": {"recipe": "w8", "pp')
     for f in out.iterdir():

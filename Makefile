@@ -13,7 +13,7 @@ run: install
 
 # Full pass (CI): every test, the slow real-model checks included.
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # Local: skip the slow real-model checks.
 test-fast:

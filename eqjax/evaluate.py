@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from eqjax.errors import CompatibilityError, InputError, NonFiniteResult
 from eqjax.pytree import tree_nbytes
 
-__all__ = ["PplResult", "perplexity", "window_nll", "peak_rss_mb", "model_size_bytes", "check_token_ids"]
+__all__ = ["PplResult", "perplexity", "window_nll", "peak_rss_mb", "model_size_bytes", "check_token_ids",
+           "ulp_bumped", "rounding_band", "within_band"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,38 @@ def perplexity(
         compile_seconds=compile_s,
         tokens_per_s=n * ctx / seconds if seconds > 0 else float("inf"),
     )
+
+
+def ulp_bumped(params: Any, k: int) -> Any:
+    """``params`` with every floating leaf (quantized leaves' scales included) times ``1 + k * eps`` of its
+    dtype (``k`` ulps of 1; ``eps = 2**-23`` in float32): a perturbation below any real change of the model,
+    to measure how much of a difference is eqjax's own rounding noise (:func:`rounding_band`)."""
+    def bump(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x * (1 + k * jnp.finfo(x.dtype).eps).astype(x.dtype)
+    return jax.tree.map(bump, params)
+
+
+def rounding_band(model: Any, params: Any, windows: np.ndarray, bumps: tuple[int, ...] = (1, 2, 3), **kw: Any) -> list[float]:
+    """Perplexities of ``params`` and of its :func:`ulp_bumped` copies on ``windows`` (``kw`` as
+    :func:`perplexity`).
+
+    With int8 activations a float that differs in its last bit (another CPU's or compiler's fused kernels,
+    onnxruntime) flips an activation code now and then, and the flips propagate through the layers: the
+    spread of these perplexities is the noise any other correct implementation of the same quantized model
+    shows against eqjax on these windows. It shrinks with more tokens. Float and weight-only models
+    barely move."""
+    return [perplexity(model, params if k == 0 else ulp_bumped(params, k), windows, **kw).ppl for k in (0, *bumps)]
+
+
+def within_band(value: float, band: list[float], rel_tol: float) -> bool:
+    """Whether ``value`` lies in ``[min, max]`` of ``band`` widened on each side by the band's own width and
+    ``rel_tol`` of its ends: one more draw of the same noise falls there unless it is an outlier (a draw
+    outside the min..max of ``n`` others has odds ``2 / (n + 1)``; the widening covers it)."""
+    lo, hi = min(band), max(band)
+    width = hi - lo
+    return lo * (1 - rel_tol) - width <= value <= hi * (1 + rel_tol) + width
 
 
 def _needs_placing(x: Any, mesh: Mesh) -> bool:

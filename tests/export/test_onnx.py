@@ -242,11 +242,19 @@ def test_model_export_names_the_bad_layer(tiny):
 
 @pytest.mark.slow
 def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
-    """Real model, packages as `eqjax export-onnx` writes them: onnxruntime perplexity within 0.5 % of
-    eqjax's (1 window of 256 tokens) at the default target (float activations in MatMulNBits), W4 and W8A8
-    (SmoothQuant); the cpu-int8 target (int8 activations, level 4) within 3 % (measured +1.5 %)."""
+    """Real model, packages as `eqjax export-onnx` writes them, 1 window of 256 tokens: onnxruntime perplexity
+    within 0.5 % of eqjax's at the default target (float activations in MatMulNBits) for W4; the cpu-int8
+    target (int8 activations, level 4) within 3 % (measured +1.5 %).
+
+    W8A8 (SmoothQuant, int8 activations per token) against eqjax's own rounding band
+    (:func:`eqjax.evaluate.rounding_band`): on 256 tokens a last-bit difference anywhere (XLA's fusions on
+    another CPU, onnxruntime's kernels) flips activation codes that propagate, and eqjax's perplexity moves by
+    about 2 % between 1-ulp copies of its own params (20.49..20.98 measured on an AVX2-only EPYC, where
+    onnxruntime gave 20.64 and eqjax's unbumped jitted forward 20.98; eqjax's eager forward and onnxruntime
+    agreed bit for bit on every activation code through 4 layers). So the check is: inside that band,
+    widened by its width and 0.5 %, and the band itself under 5 %."""
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
-    from eqjax.evaluate import perplexity
+    from eqjax.evaluate import perplexity, rounding_band, within_band
     from eqjax.export.package import export_package
     from eqjax.io.gguf import load_gguf
     from eqjax.recipe import quantize
@@ -263,5 +271,10 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
         d = export_package(model, qp, tmp_path / f"{name}-{target}", tokenizer=tok, target=target, check=False)
         assert d["accuracy_level"] == (0 if target == "cpu" else 4)
         ort_ppl = onnx_perplexity(make_session(tmp_path / f"{name}-{target}"), win)
+        if name == "w8a8":
+            band = rounding_band(model, qp, win)
+            assert max(band) / min(band) - 1 < 0.05, band
+            assert within_band(ort_ppl, band, tol), (name, target, ort_ppl, band)
+            continue
         ref = perplexity(model, qp, win).ppl
         assert abs(ort_ppl / ref - 1) < tol, (name, target, ort_ppl, ref)

@@ -6,8 +6,6 @@ is the only difference); whole tiny models to 2e-5 absolute on logits of magnitu
 ORT's default level changes W8 results.
 """
 
-import os
-import re
 
 import jax
 import jax.numpy as jnp

@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity as eqjax_ppl
     from eqjax.evaluate import rounding_band
+    from eqjax.pytree import flatten
     from eqjax.qarray import ActQuantKernel
     from eqjax.recipes import embedding_step
     from eqjax.export.package import export_package
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
 
     def ours(name: str, desc: str, qp, levels) -> None:
         band = None
-        if any(isinstance(x, ActQuantKernel) for x in jax.tree.leaves(qp, is_leaf=lambda x: isinstance(x, ActQuantKernel))):
+        if any(isinstance(v, ActQuantKernel) for _, v in flatten(qp)):
             # int8 activations: eqjax's own spread under 1..3-ulp copies of the params (rounding_band)
             band = rounding_band(model, qp, windows, batch_size=1)
         jx = band[0] if band else eqjax_ppl(model, qp, windows, batch_size=1).ppl

@@ -6,7 +6,6 @@ is the only difference); whole tiny models to 2e-5 absolute on logits of magnitu
 ORT's default level changes W8 results.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,8 +246,8 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     W8A8 (SmoothQuant, int8 activations per token) against eqjax's own rounding band
     (:func:`eqjax.evaluate.rounding_band`): on 256 tokens a last-bit difference anywhere (XLA's fusions on
     another CPU, onnxruntime's kernels) flips activation codes that propagate, and eqjax's perplexity moves by
-    about 2 % between 1-ulp copies of its own params (20.49..20.98 measured on an AVX2-only EPYC, where
-    onnxruntime gave 20.64 and eqjax's unbumped jitted forward 20.98; eqjax's eager forward and onnxruntime
+    1.7 % between 1-3 ulp copies of its own params (20.619..20.979 measured on an AVX2-only EPYC, where
+    onnxruntime gave 20.636 and eqjax's unbumped jitted forward 20.979; eqjax's eager forward and onnxruntime
     agreed bit for bit on every activation code through 4 layers). So the check is: inside that band,
     widened by its width and 0.5 %, and the band itself under 5 %."""
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens

@@ -1,4 +1,4 @@
-"""A whole quantized model on the GPU: eqjax's Llama with backend="pallas" against backend="xla".
+"""A whole quantized model on the GPU: eqjax's Llama with backend="pallas" / "auto" against "xla".
 
 Usage (a CUDA GPU; elsewhere it says so and exits 2)::
 
@@ -46,7 +46,8 @@ CONFIGS = {
     "llama-1b-shaped": LlamaConfig(vocab=32000, hidden=2048, intermediate=8192, n_layers=16, n_heads=32,
                                    n_kv_heads=8, rope_theta=500000.0),
 }
-RUNS = (("fp", "xla"), ("w4g128-rtn", "xla"), ("w4g128-rtn", "pallas"), ("w8a8-naive", "xla"), ("w8a8-naive", "pallas"))
+RUNS = (("fp", "xla"), ("w4g128-rtn", "xla"), ("w4g128-rtn", "pallas"), ("w4g128-rtn", "auto"),
+        ("w8a8-naive", "xla"), ("w8a8-naive", "pallas"))
 
 
 def _median_time(fn, n: int) -> float:

@@ -40,6 +40,8 @@ from pallas_kernels import tuning  # noqa: E402
 
 MS = (16, 64, 256, 2048)  # one per bucket of the tuning tables
 GROUP = 128
+BLOCK_FIELDS = ("bm", "bn", "bk", "split_k", "num_warps", "num_stages", "gemv")
+GEMV_MAX_M = 4  # W4A16 GEMV candidates (Blocks(gemv=True)) are tried up to this M
 
 
 def _operands(m: int, k: int, seed: int = 0):
@@ -59,6 +61,12 @@ def _candidates(kind: str, m: int, k: int) -> list[tuning.Blocks]:
     bks = (64, 128, 256) if kind == "w8a8" else (16, 32, 64)  # W4A16: packed rows, dividing G/2
     bns = (64, 128, 256)
     out = [table]
+    if kind == "w4a16" and m <= GEMV_MAX_M:  # the MMA-free one-row blocks, first (they are the question)
+        for bn, bk, warps in itertools.product((64, 128, 256, 512), bks, (4, 8)):
+            kb = (k // 2) // bk
+            out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, 3, gemv=True))
+        for s in (1, 2, 4, 8, 16):
+            out.append(tuning.Blocks(1, 128, 64, s, 4, 3, gemv=True))
     for bn, bk in itertools.product(bns, bks):
         bm = table.bm
         progs = -(-m // bm) * -(-k // bn)
@@ -122,7 +130,7 @@ def main(argv=None) -> int:
                     result["stopped_early"] = True
                     break
                 row = {"kernel": kind, "M": m, "K": args.k, "N": args.k, "table": i == 0,
-                       "blocks": {f: getattr(b, f) for f in ("bm", "bn", "bk", "split_k", "num_warps", "num_stages")},
+                       "blocks": {f: getattr(b, f) for f in BLOCK_FIELDS},
                        "time_s": None, "xla_ref_time_s": t_ref, "max_rel_diff": None, "note": ""}
                 try:
                     fn = make(b)
@@ -149,12 +157,12 @@ def _markdown(r: dict) -> str:
         "W8A8: dynamic per-token int8 activations (fused below M = 64, pre-pass kernel above). W4A16: asymmetric "
         "group 128, bf16 scales. A candidate counts only if its output matches the XLA reference (rel. diff < 1e-2).",
         "",
-        "| kernel | M | table blocks (bm,bn,bk,split,warps,stages) | table µs | best blocks | best µs | speed-up | XLA ref µs |",
+        "| kernel | M | table blocks (bm,bn,bk,split,warps,stages[,gemv]) | table µs | best blocks | best µs | speed-up | XLA ref µs |",
         "|---|---:|---|---:|---|---:|---:|---:|",
     ]
 
     def fmt(b):
-        return ",".join(str(b[f]) for f in ("bm", "bn", "bk", "split_k", "num_warps", "num_stages"))
+        return ",".join(str(b[f]) for f in BLOCK_FIELDS[:-1]) + (" gemv" if b.get("gemv") else "")
 
     keys = sorted({(row["kernel"], row["M"]) for row in r["rows"]}, key=lambda t: (t[0], t[1]))
     for kind, m in keys:

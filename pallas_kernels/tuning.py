@@ -36,11 +36,15 @@ class Blocks:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False  # W4A16 only: one activation row per program, no MMA (bm must be 1)
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
             v = getattr(self, name)
-            if not is_pow2(v) or v < 16:
+            if self.gemv and name == "bm":
+                if v != 1:
+                    raise ValueError(f"block size bm={v}: a GEMV block takes one row (bm=1)")
+            elif not is_pow2(v) or v < 16:
                 raise ValueError(f"block size {name}={v} must be a power of two >= 16 (Triton dot)")
         if self.split_k < 1:
             raise ValueError("split_k must be >= 1")

@@ -31,6 +31,12 @@ to first order, far below one bf16 output ulp. Groups need ``G % 32 == 0`` (``G/
 
 Decode (M <= 16): BM = 16 (Triton's smallest MMA M; padded rows are masked), split-K over the K
 loop so that ~2 programs per SM stream the weights; partial fp32 sums are added by XLA.
+
+GEMV blocks (``Blocks(gemv=True)``, ``bm = 1``): one activation row per program and no MMA; each
+K block is ``sum_k x_even[k] * (lo[k, :] - zp) + x_odd[k] * (hi[k, :] - zp)`` in float32 (the
+products are exact: a bf16/f16 value times an integer in [-15, 15]), then times the group scale, as
+above. It avoids padding one row to Triton's 16-row MMA and the weight tile's trip through shared
+memory that an MMA operand takes; whether it is faster is a measurement (bench/kernel_tune.py).
 """
 
 from __future__ import annotations
@@ -166,7 +172,7 @@ def w4a16_matmul_xla(
 # Pallas kernel.
 
 
-def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_split, precision):
+def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_split, precision, gemv):
     refs = list(refs)
     xe_ref, xo_ref, w_ref, s_ref = refs[:4]
     refs = refs[4:]
@@ -186,17 +192,24 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
     def body(kb, acc):
         k0 = pl.multiple_of(kb * bkp, bkp)
         g = k0 // half_g
-        xe = load_tile(xe_ref, m0, bm, k0, bkp, M, Kp)
-        xo = load_tile(xo_ref, m0, bm, k0, bkp, M, Kp)
         p = load_tile(w_ref, k0, bkp, n0, bn, Kp, N).astype(jnp.int32)
         if has_zp:
             zp = load_row(z_ref, g, n0, bn, N, other=0).astype(jnp.int32)[None, :]
         else:
             zp = IMPLICIT_ZERO_POINT
-        lo = ((p & 0xF) - zp).astype(cdt)
-        hi = ((p >> 4) - zp).astype(cdt)
-        part = jnp.dot(xe, lo, preferred_element_type=jnp.float32, precision=precision)
-        part = part + jnp.dot(xo, hi, preferred_element_type=jnp.float32, precision=precision)
+        if gemv:  # one row (m0 = i < M): float32 products, reduced over the block's K
+            xe = load_row(xe_ref, m0, k0, bkp, Kp).astype(jnp.float32)
+            xo = load_row(xo_ref, m0, k0, bkp, Kp).astype(jnp.float32)
+            lo = ((p & 0xF) - zp).astype(jnp.float32)
+            hi = ((p >> 4) - zp).astype(jnp.float32)
+            part = jnp.sum(xe[:, None] * lo + xo[:, None] * hi, axis=0)[None, :]
+        else:
+            xe = load_tile(xe_ref, m0, bm, k0, bkp, M, Kp)
+            xo = load_tile(xo_ref, m0, bm, k0, bkp, M, Kp)
+            lo = ((p & 0xF) - zp).astype(cdt)
+            hi = ((p >> 4) - zp).astype(cdt)
+            part = jnp.dot(xe, lo, preferred_element_type=jnp.float32, precision=precision)
+            part = part + jnp.dot(xo, hi, preferred_element_type=jnp.float32, precision=precision)
         sc = load_row(s_ref, g, n0, bn, N, other=0).astype(jnp.float32)
         return acc + part * sc[None, :]
 
@@ -231,7 +244,8 @@ def w4a16_matmul_pallas(
       group_size: G, a multiple of 32 dividing K.
       bias: optional ``[N]``, added in fp32 before the cast.
       out_dtype: default ``x.dtype``.
-      blocks: override the tuning table (``bk`` counts packed rows and must divide G/2).
+      blocks: override the tuning table (``bk`` counts packed rows and must divide G/2;
+        ``gemv=True`` for the MMA-free one-row blocks).
     """
     _check(x, packed, scale, zero_point, group_size, "w4a16_matmul_pallas")
     M, K = x.shape
@@ -273,6 +287,7 @@ def w4a16_matmul_pallas(
         split_k=split_k,
         kb_per_split=kb_per_split,
         precision=_precision_for(x.dtype),
+        gemv=blocks.gemv,
     )
     out = pl.pallas_call(
         kern,

@@ -16,6 +16,7 @@ import pytest
 
 from pallas_kernels import (
     quantize_rows,
+    tuning,
     quantize_rows_xla,
     w4a16_matmul,
     w4a16_matmul_xla,
@@ -93,6 +94,16 @@ def test_w8a8_entry_on_gpu(m, act):
 @pytest.mark.parametrize("m", [1, 16, 128, 1000])
 @pytest.mark.parametrize("g,sym", [(32, False), (128, False), (128, True)])
 def test_w4a16_entry_on_gpu(m, g, sym):
+    _check_w4a16_on_gpu(m, g, sym, None)
+
+
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 4), (3, 2)])
+@pytest.mark.parametrize("sym", [False, True])
+def test_w4a16_gemv_blocks_on_gpu(m, split, sym):
+    _check_w4a16_on_gpu(m, 128, sym, tuning.Blocks(1, 128, 64, split, 4, 3, gemv=True))
+
+
+def _check_w4a16_on_gpu(m, g, sym, blocks):
     rng = np.random.default_rng(m + g)
     k, n = 4096, 2048
     codes = rng.integers(1 if sym else 0, 16, (k, n))
@@ -100,7 +111,7 @@ def test_w4a16_entry_on_gpu(m, g, sym):
     scale = jnp.asarray(rng.uniform(0.005, 0.05, (k // g, n)), jnp.bfloat16)
     zp = None if sym else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    got = jax.jit(lambda x: w4a16_matmul(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32))(x)
+    got = jax.jit(lambda x: w4a16_matmul(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32, blocks=blocks))(x)
     ref = jax.jit(lambda x: w4a16_matmul_xla(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32))(x)
     zpv = 8 if zp is None else np.repeat(np.asarray(zp, np.int64), g, axis=0)
     w_hat = (codes - zpv) * np.repeat(np.asarray(scale.astype(jnp.float32), np.float64), g, axis=0)

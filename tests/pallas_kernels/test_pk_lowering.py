@@ -104,6 +104,22 @@ def test_w4a16_explicit_blocks_lower():
     assert _n_triton_calls(e) == 1
 
 
+def test_w4a16_gemv_blocks_lower():
+    blocks = tuning.Blocks(1, 128, 64, 4, 4, 3, gemv=True)
+    f = lambda x, w, s, z: w4a16_matmul_pallas(x, w, s, z, group_size=128, blocks=blocks)
+    e = export_for_cuda(
+        f, S((1, 1024), jnp.bfloat16), S((512, 256), jnp.uint8), S((8, 256), jnp.bfloat16), S((8, 256), jnp.uint8)
+    )
+    assert _n_triton_calls(e) == 1 and e.out_avals[0].shape == (1, 256)
+
+
+def test_gemv_blocks_take_one_row():
+    with pytest.raises(ValueError, match="bm=16"):
+        tuning.Blocks(16, 64, 64, gemv=True)
+    with pytest.raises(ValueError, match="bm=1 "):
+        tuning.Blocks(1, 64, 64)
+
+
 def test_lowering_check_catches_a_missing_primitive():
     """The guard works: jnp.round has no Triton lowering (hence _common.round_half_even)."""
 

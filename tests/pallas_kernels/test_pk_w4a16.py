@@ -65,6 +65,9 @@ def test_reference_unpacks_eqjax_layout_and_matches_oracle(rng):
         (16, 192, 64, 96, True, jnp.bfloat16, tuning.Blocks(16, 32, 16, split_k=2)),  # G/2 = 48 -> bk 16
         (1, 4096, 40, 128, False, jnp.bfloat16, None),  # decode table blocks (split-K), N < BN
         (7, 128, 64, 32, False, jnp.float16, None),
+        (1, 256, 96, 64, True, jnp.float32, tuning.Blocks(1, 64, 16, split_k=3, gemv=True)),  # GEMV, split-K, ragged N
+        (3, 160, 160, 32, False, jnp.bfloat16, tuning.Blocks(1, 64, 16, gemv=True)),  # GEMV: one program per row
+        (2, 4096, 40, 128, False, jnp.bfloat16, tuning.Blocks(1, 64, 64, split_k=4, gemv=True)),
     ],
 )
 @pytest.mark.parametrize("use_bias", [False, True])

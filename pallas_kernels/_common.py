@@ -102,6 +102,52 @@ def round_half_even(x: jax.Array) -> jax.Array:
     return jnp.where(up, f + 1.0, f)
 
 
+def _split_hi_lo(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a = hi + lo`` exactly (float32), ``hi`` the top 12 significant bits (bit mask, so no
+    compiler contraction can change it) and ``lo`` the rest: products of halves are exact."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    hi = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFF000), jnp.float32)
+    return hi, a - hi
+
+
+def _one_minus_product(s: jax.Array, c: jax.Array) -> jax.Array:
+    """``1 - s * c`` for ``s * c`` near 1, to ~2**-35 absolute: both factors are first scaled by
+    reciprocal powers of two into [0.5, 2] (exact; keeps the low halves out of the subnormals), the
+    four half products are exact and ``1 - hi*hi`` is exact by Sterbenz. Enough to rank reciprocal
+    candidates one ulp apart."""
+    s, e = jnp.frexp(s)
+    c = jnp.ldexp(c, e)
+    sh, sl = _split_hi_lo(s)
+    ch, cl = _split_hi_lo(c)
+    return ((jnp.float32(1.0) - sh * ch) - (sh * cl + sl * ch)) - sl * cl
+
+
+def correct_reciprocal(s: jax.Array, r: jax.Array) -> jax.Array:
+    """The IEEE round-to-nearest ``fl(1 / s)`` from an approximation ``r`` within 2 ulp of it
+    (float32, ``s > 0``): the candidate among ``r`` and its 4 nearest neighbours with the smallest
+    ``|1 - s * c|`` (reciprocals have no ties). Where ``s`` or ``r`` is not a positive normal
+    number (zero, subnormal, inf) ``r`` is returned unchanged."""
+    up = jnp.nextafter(r, jnp.float32(jnp.inf))
+    down = jnp.nextafter(r, jnp.float32(0.0))
+    best, err = r, jnp.abs(_one_minus_product(s, r))
+    for c in (up, down, jnp.nextafter(up, jnp.float32(jnp.inf)), jnp.nextafter(down, jnp.float32(0.0))):
+        e = jnp.abs(_one_minus_product(s, c))
+        take = e < err
+        best, err = jnp.where(take, c, best), jnp.where(take, e, err)
+    tiny = jnp.float32(jnp.finfo(jnp.float32).tiny)
+    ok = (s >= tiny) & (r >= tiny) & jnp.isfinite(s) & jnp.isfinite(r)
+    return jnp.where(ok, best, r)
+
+
+def exact_reciprocal(s: jax.Array) -> jax.Array:
+    """``fl(1 / s)`` correctly rounded on every XLA backend (float32, ``s > 0``). XLA:GPU's float32
+    division is not always correctly rounded (an H200 gave a reciprocal one ulp off, which moved
+    ``x * fl(1/s)`` across a rounding tie); :func:`correct_reciprocal` repairs it. On CPU, where
+    ``1 / s`` is already exact, this returns it unchanged."""
+    s = jnp.asarray(s, jnp.float32)
+    return correct_reciprocal(s, jnp.float32(1.0) / s)
+
+
 def _rn_asm(op: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """``op.rn.f32`` (``div`` or ``mul``) through inline PTX, elementwise on broadcast float32 operands."""
     (out,) = plgpu.elementwise_inline_asm(

@@ -1,10 +1,10 @@
 """Block sizes per shape for the Pallas Triton kernels.
 
 The table is keyed by the bucket of M (tokens): decode (M <= 16), small batch (<= 64), mid (<= 256)
-and prefill. W8A8's rows up to M = 256 come from `bench/kernel_tune.py` on an H200 (jax 0.11.2,
-K = N = 4096); its prefill row and all W4A16 rows are the usual Triton starting points for Hopper
-(power-of-two tiles, 4-8 warps, 3-4 stages): the sweep stopped at its deadline before reaching them
-(W4A16 at M = 16 was within 4 % of its best). Re-run the sweep on a GPU and update the table from it.
+and prefill, plus W4A16's GEMV blocks at M = 1. Measured rows come from `bench/kernel_tune.py` on an
+H200 (jax 0.11.2; bench/results/kernel_tune_h200*.md): W8A8 at M = 16, 64, 256 and 2048 (K = N =
+4096), W4A16 at M = 1 (K = N = 8192), 16 and 2048. W4A16's M = 64 and 256 rows are the usual Triton
+starting points for Hopper (power-of-two tiles, 4-8 warps, 3-4 stages), not measured.
 
 Split-K: at decode there are only ``N / BN`` programs per layer (32 for N = 4096, BN = 128), far
 fewer than the SMs (132 on an H100), so the K loop is split across ``split_k`` programs whose
@@ -53,13 +53,19 @@ class Blocks:
 # (max M, bm, bn, bk, num_warps, num_stages). The first three rows are the fastest of
 # bench/kernel_tune.py's grid on an H200 (K = N = 4096; bench/results/kernel_tune_h200*.md):
 # 1.30x, 1.12x and 1.34x over the previous rows (16,128,256,4,4 / 64,128,128,4,4 / 128,128,128,8,3).
+# The prefill row is the fastest at M = 2048 (second H200 session): 2.26x over the previous
+# (128,256,128,8,3), still slower than XLA's int8 path there.
 _W8A8_TABLE = (
     (16, 16, 128, 256, 4, 3),
     (64, 64, 64, 256, 4, 4),
     (256, 128, 64, 256, 8, 3),
-    (1 << 62, 128, 256, 128, 8, 3),
+    (1 << 62, 128, 64, 128, 8, 3),
 )
-# bk in packed rows (two logical K each); capped by the group size in w4a16_blocks.
+# bk in packed rows (two logical K each); capped by the group size in w4a16_blocks. M = 1 takes the
+# GEMV blocks: (max M, bn, bk, warps, stages), the fastest of bench/kernel_tune.py's grid at M = 1,
+# K = N = 8192 on an H200 (second session): 31.4 us against 49.8 for the MMA row below (1.59x).
+# The M = 16 row was within 4 % of the sweep's best; the prefill row was the best at M = 2048.
+_W4A16_GEMV = (1, 512, 64, 8, 3)
 _W4A16_TABLE = (
     (16, 16, 128, 64, 4, 4),
     (64, 64, 128, 64, 4, 4),
@@ -105,12 +111,15 @@ def w4a16_blocks(m: int, n: int, k: int, group_size: int) -> Blocks | None:
     half = group_size // 2
     if group_size % 2 or half % 16:
         return None
+    gemv = m <= _W4A16_GEMV[0]
+    if gemv:
+        bm, bn, bk, warps, stages = 1, *_W4A16_GEMV[1:]
     bk = min(bk, _pow2_floor(half & -half))  # largest power of two dividing G/2, capped
     if bk < 16:
         return None
-    bm, bn = _fit(bm, m), _fit(bn, n)
+    bm, bn = (1 if gemv else _fit(bm, m)), _fit(bn, n)
     programs = cdiv(m, bm) * cdiv(n, bn)
-    return Blocks(bm, bn, bk, _split_k(programs, (k // 2) // bk), warps, stages)
+    return Blocks(bm, bn, bk, _split_k(programs, (k // 2) // bk), warps, stages, gemv=gemv)
 
 
 # Where a kernel beat eqjax's XLA path on an H200 (jax 0.11.2; bench/results/kernels_h200.md,

@@ -26,7 +26,8 @@ Arithmetic (kernel and reference, in this order)::
 all in float32, ``fl(1 / v)`` an IEEE-rounded reciprocal. Multiplying by reciprocals (rather than
 dividing, which differs at some ties) is what XLA:CPU computes for ``x / s`` anyway, but not what
 XLA:GPU computed (an H200 run, jax 0.11.2), so nothing is left to a compiler: the reference
-materializes ``fl(1 / s)`` behind an optimization barrier, and :func:`eqjax.linear.quantize_activations`
+takes the reciprocal with :func:`pallas_kernels._common.exact_reciprocal` (XLA:GPU's float32 division
+was one ulp off) and materializes it behind an optimization barrier, and :func:`eqjax.linear.quantize_activations`
 is this reference. The kernel takes the reciprocals with ``div.rn.f32`` (Triton's default f32
 division is approximate), multiplies by them with ``mul.rn.f32`` (never contracted into an FMA,
 which would skip the product's rounding) and rounds with floor/compare/select (Triton cannot lower
@@ -67,6 +68,7 @@ from pallas_kernels._common import (
     cdiv,
     compiler_params,
     div_rn,
+    exact_reciprocal,
     load_tile,
     load_vec,
     mul_rn,
@@ -196,10 +198,10 @@ def quantize_rows_xla(
     codes ``clip(round_half_even(x * fl(1/s)), -qmax, qmax)``."""
     xf = x.astype(jnp.float32)
     s = _scale_from_absmax(jnp.max(jnp.abs(xf), axis=1), qmax) if scale is None else _vec(scale, x.shape[0])
-    # The reciprocal is materialized (optimization barrier) so that no compiler folds ``x * fl(1/s)``
-    # back into ``x / s``. On an H200 (jax 0.11.2, no barrier yet) this reference gave x / s's codes
-    # at bfloat16 ties (64 where x * fl(1/s) = 63.499996); the barrier is not yet run on a GPU.
-    inv = jax.lax.optimization_barrier(jnp.float32(1.0) / s)
+    # fl(1/s) correctly rounded (XLA:GPU's division is not: on an H200 it gave a reciprocal one ulp
+    # off, so x * inv moved from 63.499996 to 63.5 and rounded to 64), and materialized behind an
+    # optimization barrier so that no compiler folds ``x * fl(1/s)`` back into ``x / s``.
+    inv = jax.lax.optimization_barrier(exact_reciprocal(s))
     q = jnp.clip(jnp.round(xf * inv[:, None]), -qmax, qmax).astype(jnp.int8)
     return q, s
 

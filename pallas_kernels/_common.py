@@ -200,12 +200,20 @@ def on_cuda_else(kernel_fn: Callable, fallback_fn: Callable, *args):
     return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=fallback_fn)
 
 
+EXPORT_TARGET_DEVICE_KIND = "NVIDIA H100"  # the GPU that export_for_cuda lowers for
+
+
 def export_for_cuda(fn: Callable, *arg_specs) -> "jax.export.Exported":
     """Lower ``fn`` for CUDA on any machine (Triton lowering included); raises if a primitive has no
     Triton lowering. The Triton custom call is not on jax.export's stable list, hence the check
-    is disabled for it."""
-    return jax.export.export(
-        jax.jit(fn),
-        platforms=("cuda",),
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-    )(*arg_specs)
+    is disabled for it. The lowering runs under an abstract mesh naming an H100 as its device:
+    jax >= 0.11 asks the current device for the GPU generation and, on a machine without one, takes
+    it only from there (jax 0.10 did not ask)."""
+    target = jax.sharding.AbstractDevice(device_kind=EXPORT_TARGET_DEVICE_KIND, num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("_export",), abstract_device=target)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.export.export(
+            jax.jit(fn),
+            platforms=("cuda",),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
+        )(*arg_specs)

@@ -215,9 +215,9 @@ class _Builder:
         return self.inline(closed.jaxpr, [self.const(c) for c in closed.consts], refs)
 
     def _unroll_scan(self, params: Mapping[str, Any], ins: Sequence[Ref]) -> list[Ref]:
-        body = params["jaxpr"]
-        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
-        consts, carry, xs = list(ins[:n_consts]), list(ins[n_consts:n_consts + n_carry]), list(ins[n_consts + n_carry:])
+        body, length = params["jaxpr"], params["length"]
+        consts, carry, xs = scan_operand_groups(params, ins)
+        n_carry = len(carry)
         per_iter: list[list[Ref]] = []
         order = range(length - 1, -1, -1) if params["reverse"] else range(length)
         for i in order:
@@ -230,6 +230,16 @@ class _Builder:
         n_ys = len(per_iter[0]) if per_iter else 0
         stacked = [self._helper(lambda *a: jax.numpy.stack(a), [it[k] for it in per_iter])[0] for k in range(n_ys)]
         return carry + stacked
+
+
+def scan_operand_groups(params: Mapping[str, Any], ins: Sequence[Any]) -> tuple[list, list, list]:
+    """A ``scan`` equation's operands split into (consts, carry, xs). jax 0.10 gives the counts
+    (``num_consts``, ``num_carry``); jax 0.11 a flat-tree description of the three groups (``ft_in``)."""
+    if "num_consts" in params:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        return list(ins[:n_consts]), list(ins[n_consts:n_consts + n_carry]), list(ins[n_consts + n_carry:])
+    consts, carry, xs = params["ft_in"].update(list(ins)).unpack()
+    return list(consts), list(carry), list(xs)
 
 
 def _split_static(tree: Any) -> tuple[list[Any], list[int], list[Any], Any]:

@@ -17,6 +17,7 @@ deadline keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -40,7 +41,7 @@ from pallas_kernels import tuning  # noqa: E402
 
 MS = (16, 64, 256, 2048)  # one per bucket of the tuning tables
 GROUP = 128
-BLOCK_FIELDS = ("bm", "bn", "bk", "split_k", "num_warps", "num_stages", "gemv")
+BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(tuning.Blocks))
 GEMV_MAX_M = 4  # W4A16 GEMV candidates (Blocks(gemv=True)) are tried up to this M
 
 
@@ -162,7 +163,7 @@ def _markdown(r: dict) -> str:
     ]
 
     def fmt(b):
-        return ",".join(str(b[f]) for f in BLOCK_FIELDS[:-1]) + (" gemv" if b.get("gemv") else "")
+        return ",".join(str(b[f]) for f in BLOCK_FIELDS if f != "gemv") + (" gemv" if b.get("gemv") else "")
 
     keys = sorted({(row["kernel"], row["M"]) for row in r["rows"]}, key=lambda t: (t[0], t[1]))
     for kind, m in keys:

@@ -110,30 +110,29 @@ def _split_hi_lo(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, a - hi
 
 
-def _one_minus_product(s: jax.Array, c: jax.Array) -> jax.Array:
-    """``1 - s * c`` for ``s * c`` near 1, to ~2**-35 absolute: both factors are first scaled by
-    reciprocal powers of two into [0.5, 2] (exact; keeps the low halves out of the subnormals), the
-    four half products are exact and ``1 - hi*hi`` is exact by Sterbenz. Enough to rank reciprocal
-    candidates one ulp apart."""
-    s, e = jnp.frexp(s)
-    c = jnp.ldexp(c, e)
-    sh, sl = _split_hi_lo(s)
-    ch, cl = _split_hi_lo(c)
-    return ((jnp.float32(1.0) - sh * ch) - (sh * cl + sl * ch)) - sl * cl
-
-
 def correct_reciprocal(s: jax.Array, r: jax.Array) -> jax.Array:
     """The IEEE round-to-nearest ``fl(1 / s)`` from an approximation ``r`` within 2 ulp of it
     (float32, ``s > 0``): the candidate among ``r`` and its 4 nearest neighbours with the smallest
     ``|1 - s * c|`` (reciprocals have no ties). Where ``s`` or ``r`` is not a positive normal
-    number (zero, subnormal, inf) ``r`` is returned unchanged."""
+    number (zero, subnormal, inf) ``r`` is returned unchanged.
+
+    ``1 - s * c`` is computed to ~2**-35 absolute, enough to rank candidates one ulp apart: ``s`` is
+    scaled into [0.5, 1) and ``c`` by the inverse power of two (exact; keeps the low halves out of
+    the subnormals), the four half products are exact and ``1 - hi*hi`` is exact by Sterbenz."""
+    sm, e = jnp.frexp(s)
+    sh, sl = _split_hi_lo(sm)
+
+    def residual(c):
+        ch, cl = _split_hi_lo(jnp.ldexp(c, e))
+        return jnp.abs(((jnp.float32(1.0) - sh * ch) - (sh * cl + sl * ch)) - sl * cl)
+
     up = jnp.nextafter(r, jnp.float32(jnp.inf))
     down = jnp.nextafter(r, jnp.float32(0.0))
-    best, err = r, jnp.abs(_one_minus_product(s, r))
+    best, err = r, residual(r)
     for c in (up, down, jnp.nextafter(up, jnp.float32(jnp.inf)), jnp.nextafter(down, jnp.float32(0.0))):
-        e = jnp.abs(_one_minus_product(s, c))
-        take = e < err
-        best, err = jnp.where(take, c, best), jnp.where(take, e, err)
+        ec = residual(c)
+        take = ec < err
+        best, err = jnp.where(take, c, best), jnp.where(take, ec, err)
     tiny = jnp.float32(jnp.finfo(jnp.float32).tiny)
     ok = (s >= tiny) & (r >= tiny) & jnp.isfinite(s) & jnp.isfinite(r)
     return jnp.where(ok, best, r)

@@ -18,8 +18,8 @@ import pytest
 
 from pallas_kernels import (
     quantize_rows,
-    tuning,
     quantize_rows_xla,
+    tuning,
     w4a16_matmul,
     w4a16_matmul_xla,
     w8a8_matmul,

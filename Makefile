@@ -11,13 +11,14 @@ install:
 run: install
 	$(PY) -m eqjax.cli run --out runs/latest --json runs/latest/rows.json --overwrite
 
-# Full pass (CI): every test, the slow real-model checks included.
+# Full pass (CI): every test, the slow real-model checks included; two pytest-xdist workers (CI's 2 cores),
+# one test file per worker at a time (module fixtures are built once).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 # Local: skip the slow real-model checks.
 test-fast:
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow"
 
 bench-quality:
 	$(PY) bench/quality.py

@@ -138,13 +138,23 @@ def correct_reciprocal(s: jax.Array, r: jax.Array) -> jax.Array:
     return jnp.where(ok, best, r)
 
 
-def exact_reciprocal(s: jax.Array) -> jax.Array:
-    """``fl(1 / s)`` correctly rounded on every XLA backend (float32, ``s > 0``). XLA:GPU's float32
-    division is not always correctly rounded (an H200 gave a reciprocal one ulp off, which moved
-    ``x * fl(1/s)`` across a rounding tie); :func:`correct_reciprocal` repairs it. On CPU, where
-    ``1 / s`` is already exact, this returns it unchanged."""
-    s = jnp.asarray(s, jnp.float32)
+@jax.jit
+def _repaired_reciprocal(s: jax.Array) -> jax.Array:
     return correct_reciprocal(s, jnp.float32(1.0) / s)
+
+
+def exact_reciprocal(s: jax.Array) -> jax.Array:
+    """``fl(1 / s)`` correctly rounded on every XLA backend (float32, ``s > 0``).
+
+    Chosen at lowering time (``lax.platform_dependent``): on CPU, whose float32 division is IEEE
+    round-to-nearest, plain ``1 / s``; on every other platform ``1 / s`` repaired by
+    :func:`correct_reciprocal` (XLA:GPU's division is not always correctly rounded: an H200 gave a
+    reciprocal one ulp off, which moved ``x * fl(1/s)`` across a rounding tie). The repair is ~100
+    elementwise ops; lowered into every W8A8 layer of a CPU model it made XLA:CPU's compile of a
+    SmolLM2 W8A8 forward 9x slower (2.6 -> 23 s), which is why CPU skips it. The repair is traced once
+    per shape (``jax.jit``), so a model with many W8A8 layers traces it once."""
+    s = jnp.asarray(s, jnp.float32)
+    return jax.lax.platform_dependent(s, cpu=lambda v: jnp.float32(1.0) / v, default=_repaired_reciprocal)
 
 
 def _rn_asm(op: str, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -150,9 +150,8 @@ def exact_reciprocal(s: jax.Array) -> jax.Array:
     round-to-nearest, plain ``1 / s``; on every other platform ``1 / s`` repaired by
     :func:`correct_reciprocal` (XLA:GPU's division is not always correctly rounded: an H200 gave a
     reciprocal one ulp off, which moved ``x * fl(1/s)`` across a rounding tie). The repair is ~100
-    elementwise ops; lowered into every W8A8 layer of a CPU model it made XLA:CPU's compile of a
-    SmolLM2 W8A8 forward 9x slower (2.6 -> 23 s), which is why CPU skips it. The repair is traced once
-    per shape (``jax.jit``), so a model with many W8A8 layers traces it once."""
+    elementwise ops per call, a large compile cost in a model with many W8A8 layers (README, "On a GPU
+    again"), so CPU skips it; it is traced once per shape (``jax.jit``)."""
     s = jnp.asarray(s, jnp.float32)
     return jax.lax.platform_dependent(s, cpu=lambda v: jnp.float32(1.0) / v, default=_repaired_reciprocal)
 

@@ -63,21 +63,21 @@ def _candidates(kind: str, m: int, k: int) -> list[tuning.Blocks]:
     bns = (64, 128, 256)
     out = [table]
     if kind == "w4a16" and m <= GEMV_MAX_M:  # the MMA-free one-row blocks, first (they are the question)
-        for bn, bk, warps in itertools.product((64, 128, 256, 512), bks, (4, 8)):
+        for bn, bk, warps, stages in itertools.product((128, 256, 512), (32, 64), (4, 8), (1, 3)):
             kb = (k // 2) // bk
-            out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, 3, gemv=True))
+            out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, stages, gemv=True))
         for s in (1, 2, 4, 8, 16):
             out.append(tuning.Blocks(1, 128, 64, s, 4, 3, gemv=True))
+    bm = 16 if table.gemv else table.bm  # the MMA grid: Triton's smallest MMA M where the table is GEMV
     for bn, bk in itertools.product(bns, bks):
-        bm = table.bm
         progs = -(-m // bm) * -(-k // bn)
         kb = -(-k // bk) if kind == "w8a8" else (k // 2) // bk
         out.append(tuning.Blocks(bm, bn, bk, tuning._split_k(progs, kb), table.num_warps, table.num_stages))
     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
-        out.append(tuning.Blocks(table.bm, table.bn, table.bk, table.split_k, warps, stages))
+        out.append(dataclasses.replace(table, num_warps=warps, num_stages=stages))
     if m <= 64:  # split-K matters where there are few output tiles
         for s in (1, 2, 4, 8, 16):
-            out.append(tuning.Blocks(table.bm, table.bn, table.bk, s, table.num_warps, table.num_stages))
+            out.append(dataclasses.replace(table, split_k=s))
     else:
         out.append(tuning.Blocks(min(2 * table.bm, 256), table.bn, table.bk, 1, 8, 3))
     seen, uniq = set(), []

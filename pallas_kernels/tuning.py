@@ -3,8 +3,9 @@
 The table is keyed by the bucket of M (tokens): decode (M <= 16), small batch (<= 64), mid (<= 256)
 and prefill, plus W4A16's GEMV blocks at M = 1. Measured rows come from `bench/kernel_tune.py` on an
 H200 (jax 0.11.2; bench/results/kernel_tune_h200*.md): W8A8 at M = 16, 64, 256 and 2048 (K = N =
-4096), W4A16 at M = 1 (K = N = 8192), 16 and 2048. W4A16's M = 64 and 256 rows are the usual Triton
-starting points for Hopper (power-of-two tiles, 4-8 warps, 3-4 stages), not measured.
+4096), W4A16 at M = 1 (K = N = 8192), 16, 64 and 2048. W4A16's M = 256 row is the usual Triton
+starting point for Hopper (power-of-two tiles, 8 warps, 3 stages): its sweep stopped at its deadline
+after two candidates, the table's being the faster.
 
 Split-K: at decode there are only ``N / BN`` programs per layer (32 for N = 4096, BN = 128), far
 fewer than the SMs (132 on an H100), so the K loop is split across ``split_k`` programs whose
@@ -63,12 +64,15 @@ _W8A8_TABLE = (
 )
 # bk in packed rows (two logical K each); capped by the group size in w4a16_blocks. M = 1 takes the
 # GEMV blocks: (max M, bn, bk, warps, stages), the fastest of bench/kernel_tune.py's grid at M = 1,
-# K = N = 8192 on an H200 (second session): 31.4 us against 49.8 for the MMA row below (1.59x).
-# The M = 16 row was within 4 % of the sweep's best; the prefill row was the best at M = 2048.
-_W4A16_GEMV = (1, 512, 64, 8, 3)
+# K = N = 8192 on an H200: 31.4 us against 49.8 for the MMA row below (1.59x, second session); the
+# same tile with one stage was the fastest of the third session's grid (30.0 us; the previous row,
+# three stages, 30.7 us in that session's kernel benchmark). The M = 16 row was within 4 % of the
+# sweep's best; the M = 64 row is the third session's best at K = N = 4096 (25.4 us against 29.7 with
+# four stages); the prefill row was the best at M = 2048.
+_W4A16_GEMV = (1, 512, 64, 8, 1)
 _W4A16_TABLE = (
     (16, 16, 128, 64, 4, 4),
-    (64, 64, 128, 64, 4, 4),
+    (64, 64, 128, 64, 4, 3),
     (256, 128, 128, 64, 8, 3),
     (1 << 62, 128, 128, 64, 8, 3),
 )

@@ -37,6 +37,14 @@ K block is ``sum_k x_even[k] * (lo[k, :] - zp) + x_odd[k] * (hi[k, :] - zp)`` in
 products are exact: a bf16/f16 value times an integer in [-15, 15]), then times the group scale, as
 above. It avoids padding one row to Triton's 16-row MMA and the weight tile's trip through shared
 memory that an MMA operand takes; whether it is faster is a measurement (bench/kernel_tune.py).
+
+GEMV blocks read the activation row as given and gather its even / odd elements in the kernel (one
+XLA op fewer per call at decode); MMA blocks take the de-interleaved copies.
+
+Codes become floats without an integer -> float conversion (``_common.small_int_diff``: the code is
+OR-ed into the mantissa of a power of two and the biased zero point subtracted, both exact): NVIDIA
+GPUs convert int32 -> float at a quarter of the float add rate, and a weight byte holds two codes.
+Whether either change pays is a measurement (README, "On a GPU, third session").
 """
 
 from __future__ import annotations
@@ -47,9 +55,12 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._common import cdiv, compiler_params, load_row, load_tile, load_vec, on_cuda_else, store_tile
+from pallas_kernels._common import (
+    cdiv, compiler_params, load_row, load_tile, load_vec, on_cuda_else, small_int_diff, store_tile,
+)
 
 __all__ = ["supports", "w4a16_matmul", "w4a16_matmul_pallas", "w4a16_matmul_xla"]
 
@@ -174,8 +185,12 @@ def w4a16_matmul_xla(
 
 def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_split, precision, gemv):
     refs = list(refs)
-    xe_ref, xo_ref, w_ref, s_ref = refs[:4]
-    refs = refs[4:]
+    if gemv:  # the activations as given: even / odd K are gathered in the kernel (index loads)
+        x_ref, w_ref, s_ref = refs[:3]
+        refs = refs[3:]
+    else:
+        xe_ref, xo_ref, w_ref, s_ref = refs[:4]
+        refs = refs[4:]
     z_ref = refs.pop(0) if has_zp else None
     b_ref = refs.pop(0) if has_bias else None
     (o_ref,) = refs
@@ -183,7 +198,6 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     m0 = pl.multiple_of(i * bm, bm)
     n0 = pl.multiple_of(j * bn, bn)
-    cdt = xe_ref.dtype
     half_g = G // 2
     nkb = Kp // bkp
     kb_lo = s * kb_per_split
@@ -198,16 +212,17 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
         else:
             zp = IMPLICIT_ZERO_POINT
         if gemv:  # one row (m0 = i < M): float32 products, reduced over the block's K
-            xe = load_row(xe_ref, m0, k0, bkp, Kp).astype(jnp.float32)
-            xo = load_row(xo_ref, m0, k0, bkp, Kp).astype(jnp.float32)
-            lo = ((p & 0xF) - zp).astype(jnp.float32)
-            hi = ((p >> 4) - zp).astype(jnp.float32)
+            even = 2 * k0 + 2 * jnp.arange(bkp)  # index arrays: interpret mode has no strided slices
+            xe = plgpu.load(x_ref.at[m0, even]).astype(jnp.float32)
+            xo = plgpu.load(x_ref.at[m0, even + 1]).astype(jnp.float32)
+            lo = small_int_diff(p & 0xF, zp, jnp.float32)
+            hi = small_int_diff(p >> 4, zp, jnp.float32)
             part = jnp.sum(xe[:, None] * lo + xo[:, None] * hi, axis=0)[None, :]
         else:
             xe = load_tile(xe_ref, m0, bm, k0, bkp, M, Kp)
             xo = load_tile(xo_ref, m0, bm, k0, bkp, M, Kp)
-            lo = ((p & 0xF) - zp).astype(cdt)
-            hi = ((p >> 4) - zp).astype(cdt)
+            lo = small_int_diff(p & 0xF, zp, xe_ref.dtype)
+            hi = small_int_diff(p >> 4, zp, xe_ref.dtype)
             part = jnp.dot(xe, lo, preferred_element_type=jnp.float32, precision=precision)
             part = part + jnp.dot(xo, hi, preferred_element_type=jnp.float32, precision=precision)
         sc = load_row(s_ref, g, n0, bn, N, other=0).astype(jnp.float32)
@@ -257,7 +272,6 @@ def w4a16_matmul_pallas(
     bm, bn, bkp = blocks.bm, blocks.bn, blocks.bk
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     x = x.astype(_compute_dtype(x))
-    xe, xo = x[:, 0::2], x[:, 1::2]
 
     nkb = Kp // bkp
     split_k = max(1, min(blocks.split_k, nkb))
@@ -265,7 +279,8 @@ def w4a16_matmul_pallas(
     split_k = cdiv(nkb, kb_per_split)
     has_zp = zero_point is not None
     has_bias = bias is not None and split_k == 1
-    args = [xe, xo, packed, scale] + ([zero_point] if has_zp else [])
+    xs = [x] if blocks.gemv else [x[:, 0::2], x[:, 1::2]]
+    args = [*xs, packed, scale] + ([zero_point] if has_zp else [])
     if has_bias:
         args.append(bias.reshape(N))
     out_shape = (

@@ -1,4 +1,5 @@
-"""pallas_kernels._common: the correctly rounded reciprocal that the XLA references use.
+"""pallas_kernels._common: the correctly rounded reciprocal that the XLA references use, and the
+exact code -> float conversion of the W4A16 kernel.
 
 Oracles: numpy's float32 division (IEEE round-to-nearest) and, for a sample, exact rational
 arithmetic (fractions) choosing the nearest float32 by brute force over the neighbours.
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 
 import jax
 
-from pallas_kernels._common import _repaired_reciprocal, correct_reciprocal, exact_reciprocal, export_for_cuda
+from pallas_kernels._common import (
+    _repaired_reciprocal, correct_reciprocal, exact_reciprocal, export_for_cuda, small_int_diff,
+)
 
 
 def _ulp_steps(r: np.ndarray, k: int) -> np.ndarray:
@@ -86,3 +89,16 @@ def test_repair_lowered_for_cuda_not_for_cpu():
     cpu = jax.export.export(jax.jit(exact_reciprocal), platforms=("cpu",))(spec)
     assert _mask_ops(cpu) == 0
     assert _mask_ops(export_for_cuda(exact_reciprocal, spec)) > 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_small_int_diff_every_code_and_zero_point(dtype):
+    """Brute force over all 16 x 16 (code, zero point) pairs, array and Python-int zero points."""
+    q = jnp.arange(16, dtype=jnp.int32)[:, None]
+    z = jnp.arange(16, dtype=jnp.int32)[None, :]
+    want = np.arange(16)[:, None] - np.arange(16)[None, :]
+    got = small_int_diff(q, z, dtype)
+    assert got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    for zp in (0, 8, 15):
+        np.testing.assert_array_equal(np.asarray(small_int_diff(q, zp, dtype).astype(jnp.float32)), want[:, zp:zp + 1])

@@ -100,20 +100,27 @@ def test_w4a16_entry_on_gpu(m, g, sym):
     _check_w4a16_on_gpu(m, g, sym, None)
 
 
-@pytest.mark.parametrize("m,split", [(1, 1), (1, 4), (3, 2)])
+@pytest.mark.parametrize("m,split,stages", [(1, 1, 3), (1, 4, 3), (3, 2, 3), (1, 4, 1)])
 @pytest.mark.parametrize("sym", [False, True])
-def test_w4a16_gemv_blocks_on_gpu(m, split, sym):
-    _check_w4a16_on_gpu(m, 128, sym, tuning.Blocks(1, 128, 64, split, 4, 3, gemv=True))
+def test_w4a16_gemv_blocks_on_gpu(m, split, stages, sym):
+    _check_w4a16_on_gpu(m, 128, sym, tuning.Blocks(1, 128, 64, split, 4, stages, gemv=True))
 
 
-def _check_w4a16_on_gpu(m, g, sym, blocks):
+@pytest.mark.parametrize("m,dtype", [(1, jnp.float16), (16, jnp.float16), (1, jnp.float32)])
+def test_w4a16_other_activation_dtypes_on_gpu(m, dtype):
+    """The codes' exact bit-trick conversion per dtype (float16 MMA, float32 GEMV; float32 MMA is
+    TF32 by default and outside this bound)."""
+    _check_w4a16_on_gpu(m, 128, False, None, dtype)
+
+
+def _check_w4a16_on_gpu(m, g, sym, blocks, dtype=jnp.bfloat16):
     rng = np.random.default_rng(m + g)
     k, n = 4096, 2048
     codes = rng.integers(1 if sym else 0, 16, (k, n))
     packed = jnp.asarray(codes[0::2] | (codes[1::2] << 4), jnp.uint8)
     scale = jnp.asarray(rng.uniform(0.005, 0.05, (k // g, n)), jnp.bfloat16)
     zp = None if sym else jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.uint8)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     got = jax.jit(lambda x: w4a16_matmul(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32, blocks=blocks))(x)
     ref = jax.jit(lambda x: w4a16_matmul_xla(x, packed, scale, zp, group_size=g, out_dtype=jnp.float32))(x)
     zpv = 8 if zp is None else np.repeat(np.asarray(zp, np.int64), g, axis=0)

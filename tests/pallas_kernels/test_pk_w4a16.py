@@ -68,6 +68,9 @@ def test_reference_unpacks_eqjax_layout_and_matches_oracle(rng):
         (1, 256, 96, 64, True, jnp.float32, tuning.Blocks(1, 64, 16, split_k=3, gemv=True)),  # GEMV, split-K, ragged N
         (3, 160, 160, 32, False, jnp.bfloat16, tuning.Blocks(1, 64, 16, gemv=True)),  # GEMV: one program per row
         (2, 4096, 40, 128, False, jnp.bfloat16, tuning.Blocks(1, 64, 64, split_k=4, gemv=True)),
+        # GEMV with one pipeline stage (the table's GEMV row) and two K blocks per split
+        (1, 512, 96, 64, False, jnp.bfloat16, tuning.Blocks(1, 64, 16, split_k=8, num_stages=1, gemv=True)),
+        (1, 512, 96, 64, True, jnp.float16, tuning.Blocks(1, 64, 16, split_k=8, gemv=True)),
     ],
 )
 @pytest.mark.parametrize("use_bias", [False, True])

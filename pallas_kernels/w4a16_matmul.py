@@ -42,8 +42,8 @@ GEMV blocks read the activation row as given and gather its even / odd elements 
 XLA op fewer per call at decode); MMA blocks take the de-interleaved copies.
 
 Codes become floats without an integer -> float conversion (``_common.small_int_diff``: the code is
-OR-ed into the mantissa of a power of two and the biased zero point subtracted, both exact): NVIDIA
-GPUs convert int32 -> float at a quarter of the float add rate, and a weight byte holds two codes.
+OR-ed into the mantissa of a power of two and the biased zero point subtracted, both exact): Hopper
+converts int32 -> float at an eighth of its float32 add rate, and a weight byte holds two codes.
 Whether either change pays is a measurement (README, "On a GPU, third session").
 """
 

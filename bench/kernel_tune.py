@@ -63,6 +63,10 @@ def _candidates(kind: str, m: int, k: int) -> list[tuning.Blocks]:
     bns = (64, 128, 256)
     out = [table]
     if kind == "w4a16" and m <= GEMV_MAX_M:  # the MMA-free one-row blocks, first (they are the question)
+        for bn, bk, warps in itertools.product((128, 256, 512), (32, 64), (4, 8)):  # one K reduction per program
+            kb = (k // 2) // bk
+            out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, 1, gemv=True,
+                                     reduce_once=True))
         for bn, bk, warps, stages in itertools.product((128, 256, 512), (32, 64), (4, 8), (1, 3)):
             kb = (k // 2) // bk
             out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, stages, gemv=True))
@@ -158,12 +162,13 @@ def _markdown(r: dict) -> str:
         "W8A8: dynamic per-token int8 activations (fused below M = 64, pre-pass kernel above). W4A16: asymmetric "
         "group 128, bf16 scales. A candidate counts only if its output matches the XLA reference (rel. diff < 1e-2).",
         "",
-        "| kernel | M | table blocks (bm,bn,bk,split,warps,stages[,gemv]) | table µs | best blocks | best µs | speed-up | XLA ref µs |",
+        "| kernel | M | table blocks (bm,bn,bk,split,warps,stages[ gemv][ reduce_once]) | table µs | best blocks | best µs | speed-up | XLA ref µs |",
         "|---|---:|---|---:|---|---:|---:|---:|",
     ]
 
     def fmt(b):
-        return ",".join(str(b[f]) for f in BLOCK_FIELDS if f != "gemv") + (" gemv" if b.get("gemv") else "")
+        flags = [f for f in ("gemv", "reduce_once") if b.get(f)]
+        return ",".join(str(b[f]) for f in BLOCK_FIELDS if f not in ("gemv", "reduce_once")) + "".join(" " + f for f in flags)
 
     keys = sorted({(row["kernel"], row["M"]) for row in r["rows"]}, key=lambda t: (t[0], t[1]))
     for kind, m in keys:

@@ -38,6 +38,9 @@ class Blocks:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False  # W4A16 only: one activation row per program, no MMA (bm must be 1)
+    # GEMV only: keep a [bk, bn] float32 partial over the K loop and reduce it over K once per program,
+    # instead of a cross-warp reduction every step. Not measured on a GPU yet (README).
+    reduce_once: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -49,6 +52,8 @@ class Blocks:
                 raise ValueError(f"block size {name}={v} must be a power of two >= 16 (Triton dot)")
         if self.split_k < 1:
             raise ValueError("split_k must be >= 1")
+        if self.reduce_once and not self.gemv:
+            raise ValueError("reduce_once applies to GEMV blocks only (gemv=True)")
 
 
 # (max M, bm, bn, bk, num_warps, num_stages). The first three rows are the fastest of

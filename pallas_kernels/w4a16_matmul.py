@@ -38,6 +38,11 @@ products are exact: a bf16/f16 value times an integer in [-15, 15]), then times 
 above. It avoids padding one row to Triton's 16-row MMA and the weight tile's trip through shared
 memory that an MMA operand takes; whether it is faster is a measurement (bench/kernel_tune.py).
 
+``Blocks(gemv=True, reduce_once=True)`` keeps a ``[bk, bn]`` float32 partial per program, each
+element ``sum over groups of scale * (x_even * lo + x_odd * hi)`` for its K row, and sums it over K
+once after the loop: no cross-warp reduction per step, one more multiply per weight byte (another
+summation order, same bound). A candidate for bench/kernel_tune.py, not yet measured on a GPU.
+
 GEMV blocks read the activation row as given and gather its even / odd elements in the kernel (one
 XLA op fewer per call at decode); MMA blocks take the de-interleaved copies.
 
@@ -183,7 +188,8 @@ def w4a16_matmul_xla(
 # Pallas kernel.
 
 
-def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_split, precision, gemv):
+def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_split, precision, gemv,
+            reduce_once):
     refs = list(refs)
     if gemv:  # the activations as given: even / odd K are gathered in the kernel (index loads)
         x_ref, w_ref, s_ref = refs[:3]
@@ -217,7 +223,9 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
             xo = plgpu.load(x_ref.at[m0, even + 1]).astype(jnp.float32)
             lo = small_int_diff(p & 0xF, zp, jnp.float32)
             hi = small_int_diff(p >> 4, zp, jnp.float32)
-            part = jnp.sum(xe[:, None] * lo + xo[:, None] * hi, axis=0)[None, :]
+            part = xe[:, None] * lo + xo[:, None] * hi  # [bkp, bn]
+            if not reduce_once:
+                part = jnp.sum(part, axis=0)[None, :]
         else:
             xe = load_tile(xe_ref, m0, bm, k0, bkp, M, Kp)
             xo = load_tile(xo_ref, m0, bm, k0, bkp, M, Kp)
@@ -228,7 +236,9 @@ def _kernel(*refs, has_zp, has_bias, M, N, Kp, G, bm, bn, bkp, split_k, kb_per_s
         sc = load_row(s_ref, g, n0, bn, N, other=0).astype(jnp.float32)
         return acc + part * sc[None, :]
 
-    acc = jax.lax.fori_loop(kb_lo, kb_hi, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(kb_lo, kb_hi, body, jnp.zeros((bkp if reduce_once else bm, bn), jnp.float32))
+    if reduce_once:  # the [bkp, bn] per-row partials, summed over K once
+        acc = jnp.sum(acc, axis=0)[None, :]
     if split_k > 1:
         store_tile(o_ref, m0, bm, n0, bn, M, N, acc, base=s * M)
         return
@@ -303,6 +313,7 @@ def w4a16_matmul_pallas(
         kb_per_split=kb_per_split,
         precision=_precision_for(x.dtype),
         gemv=blocks.gemv,
+        reduce_once=blocks.reduce_once,
     )
     out = pl.pallas_call(
         kern,

@@ -100,10 +100,11 @@ def test_w4a16_entry_on_gpu(m, g, sym):
     _check_w4a16_on_gpu(m, g, sym, None)
 
 
-@pytest.mark.parametrize("m,split,stages", [(1, 1, 3), (1, 4, 3), (3, 2, 3), (1, 4, 1)])
+@pytest.mark.parametrize("m,split,stages,once", [(1, 1, 3, False), (1, 4, 3, False), (3, 2, 3, False),
+                                                 (1, 4, 1, False), (1, 4, 1, True), (3, 1, 1, True)])
 @pytest.mark.parametrize("sym", [False, True])
-def test_w4a16_gemv_blocks_on_gpu(m, split, stages, sym):
-    _check_w4a16_on_gpu(m, 128, sym, tuning.Blocks(1, 128, 64, split, 4, stages, gemv=True))
+def test_w4a16_gemv_blocks_on_gpu(m, split, stages, once, sym):
+    _check_w4a16_on_gpu(m, 128, sym, tuning.Blocks(1, 128, 64, split, 4, stages, gemv=True, reduce_once=once))
 
 
 @pytest.mark.parametrize("m,dtype", [(1, jnp.float16), (16, jnp.float16), (1, jnp.float32)])

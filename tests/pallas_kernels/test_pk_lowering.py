@@ -104,8 +104,9 @@ def test_w4a16_explicit_blocks_lower():
     assert _n_triton_calls(e) == 1
 
 
-def test_w4a16_gemv_blocks_lower():
-    blocks = tuning.Blocks(1, 128, 64, 4, 4, 3, gemv=True)
+@pytest.mark.parametrize("reduce_once", [False, True])
+def test_w4a16_gemv_blocks_lower(reduce_once):
+    blocks = tuning.Blocks(1, 128, 64, 4, 4, 3, gemv=True, reduce_once=reduce_once)
     f = lambda x, w, s, z: w4a16_matmul_pallas(x, w, s, z, group_size=128, blocks=blocks)
     e = export_for_cuda(
         f, S((1, 1024), jnp.bfloat16), S((512, 256), jnp.uint8), S((8, 256), jnp.bfloat16), S((8, 256), jnp.uint8)
@@ -118,6 +119,8 @@ def test_gemv_blocks_take_one_row():
         tuning.Blocks(16, 64, 64, gemv=True)
     with pytest.raises(ValueError, match="bm=1 "):
         tuning.Blocks(1, 64, 64)
+    with pytest.raises(ValueError, match="GEMV blocks only"):
+        tuning.Blocks(16, 64, 64, reduce_once=True)
 
 
 def test_lowering_check_catches_a_missing_primitive():

@@ -71,6 +71,9 @@ def test_reference_unpacks_eqjax_layout_and_matches_oracle(rng):
         # GEMV with one pipeline stage (the table's GEMV row) and two K blocks per split
         (1, 512, 96, 64, False, jnp.bfloat16, tuning.Blocks(1, 64, 16, split_k=8, num_stages=1, gemv=True)),
         (1, 512, 96, 64, True, jnp.float16, tuning.Blocks(1, 64, 16, split_k=8, gemv=True)),
+        # GEMV summing its [bk, bn] partial over K once per program: split-K, ragged N, two rows
+        (1, 256, 96, 64, False, jnp.float32, tuning.Blocks(1, 64, 16, split_k=3, gemv=True, reduce_once=True)),
+        (2, 4096, 40, 128, True, jnp.bfloat16, tuning.Blocks(1, 64, 64, gemv=True, reduce_once=True)),
     ],
 )
 @pytest.mark.parametrize("use_bias", [False, True])

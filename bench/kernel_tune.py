@@ -63,15 +63,14 @@ def _candidates(kind: str, m: int, k: int) -> list[tuning.Blocks]:
     bns = (64, 128, 256)
     out = [table]
     if kind == "w4a16" and m <= GEMV_MAX_M:  # the MMA-free one-row blocks, first (they are the question)
-        for bn, bk, warps in itertools.product((128, 256, 512), (32, 64), (4, 8)):  # one K reduction per program
-            kb = (k // 2) // bk
-            out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, 1, gemv=True,
-                                     reduce_once=True))
-        for bn, bk, warps, stages in itertools.product((128, 256, 512), (32, 64), (4, 8), (1, 3)):
-            kb = (k // 2) // bk
-            out.append(tuning.Blocks(1, bn, bk, tuning._split_k(m * -(-k // bn), kb), warps, stages, gemv=True))
-        for s in (1, 2, 4, 8, 16):
-            out.append(tuning.Blocks(1, 128, 64, s, 4, 3, gemv=True))
+        def gemv(bn, bk, split, warps, stages, once=False):
+            split = tuning._split_k(m * -(-k // bn), (k // 2) // bk) if split is None else split
+            return tuning.Blocks(1, bn, bk, split, warps, stages, gemv=True, reduce_once=once)
+
+        grid = list(itertools.product((128, 256, 512), (32, 64), (4, 8)))
+        out += [gemv(bn, bk, None, warps, 1, once=True) for bn, bk, warps in grid]  # one K reduction per program
+        out += [gemv(bn, bk, None, warps, stages) for bn, bk, warps in grid for stages in (1, 3)]
+        out += [gemv(128, 64, s, 4, 3) for s in (1, 2, 4, 8, 16)]
     bm = 16 if table.gemv else table.bm  # the MMA grid: Triton's smallest MMA M where the table is GEMV
     for bn, bk in itertools.product(bns, bks):
         progs = -(-m // bm) * -(-k // bn)

@@ -29,7 +29,7 @@ from eqjax.errors import CompatibilityError, InputError
 from eqjax.evaluate import check_token_ids, model_size_bytes, peak_rss_mb, perplexity
 from eqjax.linear import ActQuantKernel
 from eqjax.pytree import flatten
-from eqjax.qarray import QArray
+from eqjax.qarray import HalfFloat, QArray
 from eqjax.recipe import Recipe, quantize
 
 __all__ = ["Setup", "prepare", "evaluate_recipe", "run_recipes", "write_report", "DEFAULT_RUN_RECIPES",
@@ -204,22 +204,23 @@ def _bits_summary(params: Any, recipe: Recipe) -> tuple[str, str, str]:
     """(weight bits, activation bits, KV bits) as short strings: '16'/'32' for float, 'mixed' when mixed."""
     w: set[int] = set()
     a: set[int] = set()
-    floats = 0
+    floats = halves = 0
     for path, leaf in flatten(params):
         if isinstance(leaf, ActQuantKernel):
             w.add(leaf.weight.bits)
             a.add(leaf.act_bits)
         elif isinstance(leaf, QArray):
             w.add(leaf.bits)
-        elif path.endswith("/kernel"):
-            floats += 1
+        elif path.endswith(("/kernel", "/embedding")):
+            halves += isinstance(leaf, HalfFloat)
+            floats += not isinstance(leaf, HalfFloat) and path.endswith("/kernel")
     def fmt(s: set[int], none: str) -> str:
         if not s:
             return none
         return str(next(iter(s))) if len(s) == 1 else "mixed"
-    wb = fmt(w, "32")
-    if w and floats:
-        wb += "+fp"
+    wb = fmt(w, "16" if halves and not floats else "32")
+    if w and (floats or halves):
+        wb += "+fp" if floats else "+fp16"
     kv = recipe.kv
     kvb = "32" if kv is None else f"K{getattr(kv, 'key_bits', '?')}V{getattr(kv, 'value_bits', '?')}"
     return wb, fmt(a, "32"), kvb
@@ -288,13 +289,10 @@ def _hist_bins(setup: Setup, layer: str) -> np.ndarray:
 
 def layer_histogram(setup: Setup, params: Any, layer: str) -> list[int]:
     """Counts of ``layer``'s (dequantized) weight values in the FP weights' bins (for the report plot)."""
-    from eqjax.numerics import dequantize
+    from eqjax.numerics import dequantize_leaf
     from eqjax.pytree import get_path
 
-    k = get_path(params, layer)
-    if isinstance(k, ActQuantKernel):
-        k = k.weight
-    w = np.asarray(dequantize(k) if isinstance(k, QArray) else k, np.float32).ravel()
+    w = np.asarray(dequantize_leaf(get_path(params, layer)), np.float32).ravel()
     return [int(c) for c in np.histogram(w, bins=_hist_bins(setup, layer))[0]]
 
 

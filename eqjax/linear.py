@@ -7,6 +7,7 @@ A linear layer's params are a mapping ``{"kernel": K, "bias"?: [N]}`` where ``K`
   XLA, or the packed INT4 Pallas kernel);
 * a :class:`~eqjax.qarray.RotatedKernel` ``[in, out]`` (axis 0): the input is rotated online by a
   randomized Hadamard transform, then multiplied by its inner kernel (any of these kinds);
+* a :class:`~eqjax.qarray.HalfFloat` ``[in, out]``: a float kernel stored in 16 bits, widened first;
 * an :class:`ActQuantKernel`: the weight as a QArray plus dynamic (per-token or per-tensor) or
   static int8 activation quantization: ``int8 x int8 -> int32`` via
   ``lax.dot_general(..., preferred_element_type=int32)``, then rescaled (W8A8).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from typing import Any, Iterator, Literal, Mapping
 
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.numerics import integer_values, dequantize
-from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel
+from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel
 
 __all__ = [
     "ActQuantKernel",
@@ -298,6 +298,8 @@ def linear(x: jax.Array, layer: Mapping[str, Any], *, backend: Backend | None = 
     bias = layer.get("bias")
     if isinstance(kernel, RotatedKernel):  # online Hadamard of the input, then the inner kernel
         x, kernel = kernel.rotate_input(x, axis=-1), kernel.kernel
+    if isinstance(kernel, HalfFloat):
+        kernel = kernel.widen()
     backend = backend or current_backend()
     lead, k_in = x.shape[:-1], x.shape[-1]
     shape = kernel_shape(kernel)

@@ -54,10 +54,10 @@ from eqjax.qarray import (
     SUPPORTED_BITS,
     ActQuantKernel,
     Granularity,
+    HalfFloat,
     QArray,
     QArrayError,
     RotatedKernel,
-    code_range,
     codes_per_word,
     implicit_zero_point,
     is_packed,
@@ -73,6 +73,7 @@ __all__ = [
     "quantize_with",
     "dequantize",
     "dequantize_leaf",
+    "widen_halves",
     "fake_quantize",
     "compute_range",
     "range_to_qparams",
@@ -451,15 +452,23 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     return x.astype(dtype or q.dtype)
 
 
-def dequantize_leaf(w: QArray | ActQuantKernel | RotatedKernel | jax.Array, dtype=None) -> jax.Array:
+def dequantize_leaf(w: QArray | ActQuantKernel | RotatedKernel | HalfFloat | jax.Array, dtype=None) -> jax.Array:
     """The float weight a param leaf stands for, in the leaf's own layout and shape (``dtype`` defaults
     to the leaf's): a QArray dequantized, an ActQuantKernel's weight, a RotatedKernel's ``Q`` applied to
-    its (dequantized) kernel along its ``axis``; a float array as is."""
+    its (dequantized) kernel along its ``axis``, a HalfFloat widened; a float array as is."""
+    if isinstance(w, HalfFloat):
+        return w.widen() if dtype is None else w.widen().astype(dtype)
     if isinstance(w, RotatedKernel):
         return hadamard_transform(dequantize_leaf(w.kernel, dtype), w.signs(), axis=w.axis, inverse=True)
     if isinstance(w, ActQuantKernel):
         w = w.weight
     return dequantize(w, dtype) if isinstance(w, QArray) else jnp.asarray(w, dtype)
+
+
+def widen_halves(tree):
+    """``tree`` with every :class:`~eqjax.qarray.HalfFloat` leaf replaced by the float array it stands for."""
+    return jax.tree.map(lambda x: x.widen() if isinstance(x, HalfFloat) else x, tree,
+                        is_leaf=lambda x: isinstance(x, HalfFloat))
 
 
 def fake_quantize(x: jax.Array, spec: QuantSpec, *, straight_through: bool = False) -> jax.Array:

@@ -70,6 +70,9 @@ __all__ = [
     "validate",
     "ActQuantKernel",
     "RotatedKernel",
+    "HalfFloat",
+    "HALF_DTYPES",
+    "validate_half",
     "is_quantized",
 ]
 
@@ -425,7 +428,69 @@ class RotatedKernel:
 jax.tree_util.register_dataclass(RotatedKernel, data_fields=["kernel"], meta_fields=["seed", "axis"])
 
 
+HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class HalfFloat:
+    """A float param stored in 16 bits, standing for ``values.astype(dtype)``.
+
+    Storage only: every reader (eqjax's models, the traced interpreter, the exporters) computes with
+    the widened array, so a model runs exactly as it would on float params that were rounded to 16
+    bits. Made by :class:`eqjax.methods.halffloat.HalfFloats`.
+
+    Attributes:
+      values: float16 or bfloat16 array (finite), the param's logical shape.
+      dtype: the wider float dtype it stands for (float32 or float64).
+
+    Invariants (checked by :func:`validate_half`): ``values.dtype`` is in :data:`HALF_DTYPES`,
+    ``dtype`` is a float dtype wider than it, every value is finite.
+    """
+
+    values: jax.Array
+    dtype: Any = jnp.float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.values.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.values)
+
+    def widen(self) -> jax.Array:
+        """The float array it stands for, ``values.astype(dtype)`` (exact)."""
+        return jnp.asarray(self.values).astype(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"HalfFloat({jnp.dtype(self.values.dtype).name} -> {jnp.dtype(self.dtype).name}, shape={self.shape})"
+
+
+jax.tree_util.register_dataclass(HalfFloat, data_fields=["values"], meta_fields=["dtype"])
+
+
+def validate_half(h: HalfFloat, *, name: str = "HalfFloat") -> HalfFloat:
+    """``h`` if its invariants hold (see :class:`HalfFloat`), else :class:`QArrayError` naming ``name``."""
+    vd, wd = jnp.dtype(h.values.dtype), jnp.dtype(h.dtype)
+    if vd not in HALF_DTYPES:
+        raise QArrayError(f"{name}: values must be float16 or bfloat16, got {vd}")
+    if not jnp.issubdtype(wd, jnp.floating) or wd.itemsize <= vd.itemsize:
+        raise QArrayError(f"{name}: dtype must be a float wider than {vd}, got {wd}")
+    if not isinstance(h.values, jax.core.Tracer) and not bool(np.isfinite(np.asarray(h.values, np.float32)).all()):
+        raise QArrayError(f"{name}: values must be finite")
+    return h
+
+
 def is_quantized(x: Any) -> bool:
-    """True for a QArray, an ActQuantKernel or a RotatedKernel (the leaves a weight use must treat
-    specially: eqjax's quantized matmul, :func:`eqjax.core.qdot.weight_dot`)."""
-    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel))
+    """True for a QArray, an ActQuantKernel, a RotatedKernel or a HalfFloat (the leaves a weight use
+    must treat specially: :func:`eqjax.core.qdot.weight_dot`; any other reader widens them with
+    :func:`eqjax.numerics.dequantize_leaf`)."""
+    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel, HalfFloat))

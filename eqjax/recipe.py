@@ -207,6 +207,7 @@ STEP_TYPES: dict[str, str] = {
     "zeroquant_lkd": "eqjax.methods.lkd:ZeroQuantLKD",
     "rtn_search": "eqjax.methods.grid:SearchedRTN",
     "signround": "eqjax.methods.signround:SignRound",
+    "half": "eqjax.methods.halffloat:HalfFloats",
 }
 
 

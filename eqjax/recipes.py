@@ -5,7 +5,8 @@ recipes apply to any model eqjax can trace; embedding tables (and a tied LM head
 is not a matmul weight stay in float, unless the name ends in ``+emb-int8`` (the embedding / tied LM
 head int8 per row, symmetric), ``+emb-int4`` (int4 groups of 32, asymmetric, float16 scales) or
 ``+emb-w7a8`` (7-bit per row in int8 storage, a tied head's activations int8 per token): any recipe,
-e.g. ``w4g128-gptq+emb-int4``. Granularities are role-relative: one scale per output channel,
+e.g. ``w4g128-gptq+emb-int4``; a final ``+f16`` / ``+bf16`` stores every param still float in 16 bits
+(:mod:`eqjax.methods.halffloat`; ``fp+f16`` is the float16 model). Granularities are role-relative: one scale per output channel,
 or groups along the input. Group-wise recipes store float16 scales (rounded up), the per-channel and
 per-tensor ones float32.
 """
@@ -21,7 +22,7 @@ from eqjax.recipe import Recipe, RecipeError
 from eqjax.rules import Rule
 
 __all__ = ["EMBEDDINGS", "RECIPES", "embedding_step", "get_recipe", "recipe_names", "weight_rule",
-           "with_embedding"]
+           "with_embedding", "with_half_floats"]
 
 EMBEDDINGS = ("int8", "int4", "w7a8")
 
@@ -265,10 +266,27 @@ def with_embedding(recipe: Recipe, kind: str) -> Recipe:
     return dataclasses.replace(recipe, name=f"{recipe.name}+emb-{kind}", steps=tuple(recipe.steps) + (embedding_step(kind),))
 
 
+def with_half_floats(recipe: Recipe, kind: str) -> Recipe:
+    """``recipe`` followed by :class:`~eqjax.methods.halffloat.HalfFloats` (named ``<recipe>+<kind>``):
+    every param it leaves float stored as float16 (``f16``) or bfloat16 (``bf16``)."""
+    import dataclasses  # noqa: PLC0415
+
+    from eqjax.methods.halffloat import HALF_KINDS, HalfFloats  # noqa: PLC0415
+
+    if kind not in HALF_KINDS:
+        raise RecipeError(f"unknown float storage option {kind!r}; choose one of {', '.join(HALF_KINDS)}")
+    return dataclasses.replace(recipe, name=f"{recipe.name}+{kind}",
+                               steps=tuple(recipe.steps) + (HalfFloats(HALF_KINDS[kind]),))
+
+
 def get_recipe(name: str) -> Recipe:
-    """The built-in recipe ``name`` (optionally ``+emb-int8`` / ``+emb-int4``), or a recipe file path."""
+    """The built-in recipe ``name`` (optionally ``+emb-int8`` / ``+emb-int4`` / ``+emb-w7a8``, then
+    optionally ``+f16`` / ``+bf16``), or a recipe file path."""
     if name in RECIPES:
         return RECIPES[name]()
+    base, sep, kind = name.rpartition("+")
+    if sep and kind in ("f16", "bf16") and base:
+        return with_half_floats(get_recipe(base), kind)
     base, sep, kind = name.rpartition("+emb-")
     if sep and base in RECIPES:
         return with_embedding(RECIPES[base](), kind)
@@ -277,4 +295,4 @@ def get_recipe(name: str) -> Recipe:
 
         return load_recipe(name)
     raise RecipeError(f"unknown recipe {name!r}; built-in: {', '.join(RECIPES)}, each optionally with "
-                      f"+emb-int8 / +emb-int4 (or a .toml/.json file)")
+                      f"+emb-int8 / +emb-int4 / +emb-w7a8, then +f16 / +bf16 (or a .toml/.json file)")

@@ -445,13 +445,15 @@ def check_params(params: Any, source: str = "params", *, allow_int: bool = False
 
     from eqjax.linear import ActQuantKernel
     from eqjax.pytree import flatten
-    from eqjax.qarray import QArray
+    from eqjax.qarray import HalfFloat, QArray
 
     for path, leaf in flatten(params):
         if leaf is None:
             continue
         parts: list[tuple[str, Any]]
-        if isinstance(leaf, ActQuantKernel):
+        if isinstance(leaf, HalfFloat):
+            parts = [("", leaf.values)]
+        elif isinstance(leaf, ActQuantKernel):
             parts = [("scale", leaf.weight.scale)] + ([("act_scale", leaf.act_scale)] if leaf.act_scale is not None else [])
         elif isinstance(leaf, QArray):
             parts = [("scale", leaf.scale)]
@@ -484,13 +486,12 @@ def check_recipe_fits(recipe: Any, params: Any) -> list[str]:
     Absurd group sizes are refused earlier by the schema (``group_size`` in 1..65536)."""
     import logging
 
-    from eqjax.linear import ActQuantKernel
     from eqjax.pytree import flatten
-    from eqjax.qarray import QArray
+    from eqjax.qarray import is_quantized
     from eqjax.rules import assign
 
     log = logging.getLogger("eqjax")
-    leaves = {p: x for p, x in flatten(params) if not isinstance(x, (QArray, ActQuantKernel)) and hasattr(x, "shape")}
+    leaves = {p: x for p, x in flatten(params) if not is_quantized(x) and hasattr(x, "shape")}
     notes: list[str] = []
     for i, step in enumerate(getattr(recipe, "steps", ())):
         name = getattr(step, "name", type(step).__name__)

@@ -8,6 +8,8 @@
   is put back into the dot's own output layout. Any weight rank and either operand side.
 * :class:`~eqjax.qarray.RotatedKernel`: the activation is rotated along its contracted axis (fast
   Hadamard transform, :mod:`eqjax.hadamard`), then the inner kernel's dot as above (float or quantized).
+* :class:`~eqjax.qarray.HalfFloat` (a float weight stored in 16 bits): widened, then the dot as the model
+  wrote it.
 * :class:`~eqjax.qarray.QArray` (weight-only): with a Pallas backend and a plain ``[in, out]``
   right-hand weight, the packed kernel; otherwise the weight is dequantized in the param's own
   layout, its layout ops replayed, and the dot bound as the model wrote it (same numerics as the
@@ -29,7 +31,7 @@ from eqjax.core.views import apply_view, bind
 from eqjax.errors import InputError
 from eqjax.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
 from eqjax.numerics import dequantize, dequantize_leaf
-from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, is_quantized
+from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
 
 __all__ = ["weight_dot", "embedding_gather", "activation_rows", "assemble_output"]
 
@@ -63,8 +65,11 @@ def _plain(use: WeightUse) -> bool:
 
 
 def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) -> jax.Array:
-    """The dot at ``use`` with the quantized param ``w`` (QArray, ActQuantKernel or RotatedKernel)."""
+    """The dot at ``use`` with the quantized param ``w`` (QArray, ActQuantKernel, RotatedKernel or HalfFloat)."""
     out_dtype = prog.avals[node.outs[0]].dtype
+    if isinstance(w, HalfFloat):
+        operand = apply_view(prog, use, dequantize_leaf(w))
+        return bind(node, [x, operand] if use.side == 1 else [operand, x])[0]
     if isinstance(w, RotatedKernel):
         if use.contracting != (w.axis,) or use.batch or use.view.index:
             raise InputError(f"{use.path}: an online-rotated weight must be used with its axis {w.axis} as the only "
@@ -90,7 +95,7 @@ def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) 
 
 def embedding_gather(prog: Program, emb: EmbeddingUse, node: Node, w: Any, indices: jax.Array) -> jax.Array:
     """The row gather at ``emb`` from a quantized table: only the looked-up rows are dequantized."""
-    if isinstance(w, RotatedKernel):
+    if isinstance(w, (RotatedKernel, HalfFloat)):
         return bind(node, [apply_view(prog, emb, dequantize_leaf(w, w.dtype)), indices])[0]
     q = w.weight if isinstance(w, ActQuantKernel) else w
     out = prog.avals[node.outs[0]]

@@ -22,7 +22,7 @@ model computing the same things the same way):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 

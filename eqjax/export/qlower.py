@@ -46,11 +46,11 @@ import onnx
 
 from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 from eqjax.numerics import codes, expand_scale, integer_values
-from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel
+from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
 
 __all__ = ["Blocked", "blocked", "check_exportable", "export_params", "emit_weight_matmul",
            "emit_matmul", "emit_gather", "W8A8_ZERO_POINT", "S8_WEIGHT_LIMIT",
-           "w8a8_weight_codes", "w8a8_table", "emit_table_gather", "NBITS"]
+           "w8a8_weight_codes", "w8a8_table", "emit_table_gather", "NBITS", "lowered_at_use", "half_initializer"]
 
 NBITS = (2, 4, 8)
 W8A8_ZERO_POINT = 128
@@ -71,6 +71,18 @@ def export_params(params: Any) -> tuple[Any, dict[str, Any]]:
     traced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, RotatedKernel) else x,
                           params, is_leaf=leaf)
     return traced, dict(flatten(params, leaf_type=leaf))
+
+
+def lowered_at_use(leaf: Any) -> bool:
+    """True for a quantized leaf, lowered where a matmul or gather reads it; False for float params and a
+    :class:`~eqjax.qarray.HalfFloat` (an initializer: :func:`half_initializer`, or widened to float32)."""
+    return is_quantized(leaf) and not isinstance(leaf, HalfFloat)
+
+
+def half_initializer(leaf: Any) -> bool:
+    """A float16 HalfFloat: written as a float16 initializer + ``Cast`` (onnxruntime folds it at load);
+    bfloat16 ones are widened to float32 initializers."""
+    return isinstance(leaf, HalfFloat) and np.dtype(leaf.values.dtype) == np.float16
 
 
 def check_exportable(path: str, leaf: Any) -> str:

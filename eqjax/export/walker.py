@@ -30,7 +30,8 @@ from eqjax.core.analysis import Analysis
 from eqjax.core.views import bind, view_nodes
 from eqjax.core.program import Lit, Program, Ref
 from eqjax.export.graph import ExportError, Graph, onnx_dtype
-from eqjax.export.qlower import check_exportable, emit_gather, emit_table_gather, emit_weight_matmul
+from eqjax.export.qlower import (check_exportable, emit_gather, emit_table_gather, emit_weight_matmul,
+                                 half_initializer, lowered_at_use)
 from eqjax.numerics import dequantize_leaf
 from eqjax.qarray import ActQuantKernel, is_quantized
 
@@ -122,9 +123,12 @@ class Walker:
         return self.g.const(arr, arr.dtype)
 
     def param_tensor(self, path: str) -> str:
-        """The float initializer of a param (dequantized when quantized)."""
+        """The float initializer of a param (dequantized when quantized; a float16 HalfFloat stays float16
+        in the file, widened by a ``Cast`` that onnxruntime folds at load)."""
         def make() -> str:
             leaf = self.params[path]
+            if half_initializer(leaf):
+                return self.g.op("Cast", [self.g.init(path.replace("/", "."), np.asarray(leaf.values))], to=1)
             if is_quantized(leaf):
                 self.dequantized.append(path)
                 arr = np.asarray(dequantize_leaf(leaf, np.float32))
@@ -167,7 +171,7 @@ class Walker:
                 use, emb = self.an.use_at(i), self.an.embedding_at(i)
                 if use is not None:  # the weight operand is rebuilt from the param itself
                     mark(use.x)
-                elif emb is not None and is_quantized(self.params[emb.path]):
+                elif emb is not None and lowered_at_use(self.params[emb.path]):
                     mark(node.ins[1])
                 else:
                     for r in node.ins:
@@ -187,7 +191,7 @@ class Walker:
                 self.env[node.outs[0]] = self._weight_use(i, use)
                 continue
             emb = self.an.embedding_at(i)
-            if emb is not None and is_quantized(self.params[emb.path]):
+            if emb is not None and lowered_at_use(self.params[emb.path]):
                 self.env[node.outs[0]] = self._quantized_gather(i, emb)
                 continue
             ins = [self.value(r) for r in node.ins]
@@ -213,7 +217,7 @@ class Walker:
     def _weight_use(self, i: int, use: Any) -> str:
         node = self.prog.nodes[i]
         leaf = self.params[use.path]
-        if not is_quantized(leaf):
+        if not lowered_at_use(leaf):
             w = self.param_tensor(use.path)
             w = self._view(use, w)
             ins = [self.name(use.x), w] if use.side == 1 else [w, self.name(use.x)]
@@ -503,10 +507,6 @@ def _iota(w: Walker, node: Any, ins: list) -> str:
     return w.g.op("Cast", [r], to=onnx_dtype(dt))
 
 
-def _dim_as_value(w: Walker, node: Any, ins: list) -> str:
-    return w.g.scalar_dim(node.params["dim"], w.prog.avals[node.outs[0]].dtype)
-
-
 def _split(w: Walker, node: Any, ins: list) -> list[str]:
     sizes = [int(s) for s in node.params["sizes"]]
     return w.g.op("Split", [w.name(ins[0]), w.g.const(sizes, np.int64)], n_out=len(sizes), axis=int(node.params["axis"]))
@@ -553,10 +553,6 @@ def _dot_general(w: Walker, node: Any, ins: list) -> str:
     return y if in_dt == np.dtype(out_dt) else w.g.op("Cast", [y], to=onnx_dtype(out_dt))
 
 
-def _pow(w: Walker, node: Any, ins: list) -> str:
-    return w.g.op("Pow", [w.name(v) for v in ins])
-
-
 def _exp2(w: Walker, node: Any, ins: list) -> str:
     dt = w.prog.avals[node.outs[0]].dtype
     return w.g.op("Pow", [w.g.const(2.0, dt), w.name(ins[0])])
@@ -578,7 +574,8 @@ def _rem(w: Walker, node: Any, ins: list) -> str:
 
 _LOWER: dict[str, Callable] = {
     "add": _elementwise("Add"), "sub": _elementwise("Sub"), "mul": _elementwise("Mul"), "div": _elementwise("Div"),
-    "max": _elementwise("Max"), "min": _elementwise("Min"), "pow": _pow, "rem": _rem,
+    "max": _elementwise("Max"), "min": _elementwise("Min"), "rem": _rem,
+    "pow": lambda w, node, ins: w.g.op("Pow", [w.name(v) for v in ins]),
     "eq": _elementwise("Equal"), "ne": _ne, "lt": _elementwise("Less"), "le": _elementwise("LessOrEqual"),
     "gt": _elementwise("Greater"), "ge": _elementwise("GreaterOrEqual"),
     "and": _logical("And", "BitwiseAnd"), "or": _logical("Or", "BitwiseOr"), "xor": _logical("Xor", "BitwiseXor"),
@@ -596,5 +593,6 @@ _LOWER: dict[str, Callable] = {
     "gather": _gather, "scatter": _scatter, "reduce_sum": _reduce("ReduceSum"), "reduce_max": _reduce("ReduceMax"),
     "reduce_min": _reduce("ReduceMin"), "reduce_prod": _reduce("ReduceProd"), "argmax": _argmax,
     "argmin": lambda w, n, i: _argmax(w, n, i, "ArgMin"), "cumsum": _cumsum, "iota": _iota,
-    "dim_as_value": _dim_as_value, "split": _split, "pad": _pad, "dot_general": _dot_general,
+    "dim_as_value": lambda w, node, ins: w.g.scalar_dim(node.params["dim"], w.prog.avals[node.outs[0]].dtype),
+    "split": _split, "pad": _pad, "dot_general": _dot_general,
 }

@@ -10,6 +10,7 @@ eqjax leaf (a matmul kernel or the table)      GGUF tensor
                                                (the one rounding: at most half a float16 ulp of ``m``)
 8-bit symmetric (-127..127)                    ``Q8_0``: ``d = scale``, int8 codes: exact
 float (norm scales, unquantized weights)       ``F32``: exact
+float16 :class:`~eqjax.qarray.HalfFloat`        ``F16``: exact (a bfloat16 one is written ``F32``, exact)
 =============================================  ==============================================================
 
 The scale (and zero point) must be constant over every block of 32 inputs: per output channel, or
@@ -36,12 +37,12 @@ import numpy as np
 
 from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_gguf, tensor_plan
 from eqjax.pytree import flatten
-from eqjax.qarray import ActQuantKernel, QArray, is_quantized
+from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, is_quantized
 
 __all__ = ["export_gguf", "gguf_blocks", "permute_qk", "BLOCK"]
 
 BLOCK = 32
-_FILE_TYPE = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_*
+_FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_*
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -150,7 +151,9 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
         path = "/".join(where)
         ref = np.asarray(dequantize_leaf(leaf) if is_quantized(leaf) else leaf, np.float32)
         ref = ref.T if linear else ref
-        if is_quantized(leaf):
+        if isinstance(leaf, HalfFloat) and np.dtype(leaf.values.dtype) == np.float16:  # exact, 2 bytes each
+            kind, data = "F16", np.ascontiguousarray((ref if heads is None else permute_qk(ref, heads)).astype(np.float16))
+        elif is_quantized(leaf) and not isinstance(leaf, HalfFloat):
             codes, scales, zps, bits = _torch_blocks(leaf, linear, path)
             if heads is not None:
                 codes, scales, zps = (permute_qk(a, heads) for a in (codes, scales, zps))

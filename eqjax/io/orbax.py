@@ -48,7 +48,7 @@ from eqjax.errors import CompatibilityError
 from eqjax.io.hf import CheckpointError
 from eqjax.linear import ActQuantKernel
 from eqjax.pytree import flatten
-from eqjax.qarray import Granularity, QArray, RotatedKernel, validate
+from eqjax.qarray import Granularity, HalfFloat, QArray, QArrayError, RotatedKernel, validate, validate_half
 
 __all__ = ["save_quantized", "load_quantized", "read_manifest", "FORMAT_VERSION", "model_fingerprint", "check_compatible",
            "recipe_kv", "is_partial_checkpoint"]
@@ -78,7 +78,7 @@ def _qarray_arrays(prefix: str, q: QArray, out: dict[str, Any]) -> None:
 
 
 def _is_saved_leaf(x: Any) -> bool:
-    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel))
+    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel, HalfFloat))
 
 
 def _encode(path: str, leaf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +86,9 @@ def _encode(path: str, leaf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
     if isinstance(leaf, RotatedKernel):  # the inner leaf's arrays under the same path, the seed in the manifest
         return {"kind": "rotated", "seed": int(leaf.seed), "axis": int(leaf.axis), "shape": list(leaf.shape),
                 "inner": _encode(path, leaf.kernel, arrays)}
+    if isinstance(leaf, HalfFloat):  # the 16-bit values as stored; the dtype they stand for in the manifest
+        arrays[path] = leaf.values
+        return {"kind": "half", "shape": list(leaf.shape), "dtype": jnp.dtype(leaf.dtype).name}
     if isinstance(leaf, QArray):
         _qarray_arrays(path, leaf, arrays)
         return {"kind": "qarray", **_qarray_meta(leaf)}
@@ -111,6 +114,15 @@ def _decode(meta: dict[str, Any], arrays: dict[str, Any], path: str, root: pathl
                 f"checkpoint array has the wrong shape ({root}: {path}): expected {tuple(want)}, found {tuple(leaf.shape)}"
             )
         return leaf
+    if kind == "half":
+        values = jnp.asarray(arrays[path])
+        if list(values.shape) != list(meta.get("shape", values.shape)):
+            raise CheckpointError(f"checkpoint array has the wrong shape ({root}: {path}): expected "
+                                  f"{tuple(meta['shape'])}, found {tuple(values.shape)}")
+        try:
+            return validate_half(HalfFloat(values, jnp.dtype(meta["dtype"])), name=path)
+        except (QArrayError, TypeError) as e:
+            raise CheckpointError(f"corrupt checkpoint entry ({root}: {path}): {e}") from None
     if kind == "qarray":
         return _build_qarray(meta, arrays, path)
     if kind == "act_quant":
@@ -128,6 +140,8 @@ def _decode(meta: dict[str, Any], arrays: dict[str, Any], path: str, root: pathl
 
 
 def _logical_shape(leaf: Any) -> list[int]:
+    if isinstance(leaf, HalfFloat):
+        return list(leaf.shape)
     if isinstance(leaf, ActQuantKernel):
         return list(leaf.weight.shape)
     if isinstance(leaf, QArray):

@@ -23,6 +23,7 @@ from eqjax.models.cache import KVCache, LayerCache, init_cache
 from eqjax.models.config import ConfigError, GPT2Config, LlamaConfig, ModelConfig, RopeScaling
 from eqjax.models.hf_config import from_hf_config, to_hf_config
 from eqjax.models.llama import KVQuantizer
+from eqjax.numerics import widen_halves
 
 __all__ = [
     "Model",
@@ -107,6 +108,7 @@ class Model:
         """Embeddings ``h [B, T, D]`` (compute dtype) of ``tokens [B, T]`` at ``positions [B, T]``."""
         if positions is None:
             positions = self.positions(*tokens.shape)
+        params = widen_halves(params)
         if isinstance(self.config, GPT2Config):
             return gpt2.embed(self.config, params, tokens, positions, self.compute_dtype)
         return llama.embed(self.config, params, tokens, self.compute_dtype)
@@ -128,12 +130,12 @@ class Model:
         (``length`` itself is left for the caller to advance).
         """
         return self._impl.block(
-            self.config, layer_params, h, positions, layer_index=layer_index, cache=cache, kv_quant=kv_quant
+            self.config, widen_halves(layer_params), h, positions, layer_index=layer_index, cache=cache, kv_quant=kv_quant
         )
 
     def head(self, params: Params, h: jax.Array) -> jax.Array:
         """Final norm and LM head: float32 logits ``[B, T, V]``."""
-        return self._impl.head(self.config, params, h)
+        return self._impl.head(self.config, widen_halves(params), h)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
         """An empty KV cache: k, v ``[L, batch, Hkv, max_len, hd]``, length 0."""

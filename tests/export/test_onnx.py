@@ -275,3 +275,23 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
             continue
         ref = perplexity(model, qp, win).ppl
         assert abs(ort_ppl / ref - 1) < tol, (name, target, ort_ppl, ref)
+
+
+def test_half_float_params_are_float16_initializers(tiny):
+    """``+f16``: every param a float16 initializer (2 bytes per value, as eqjax counts them), widened by
+    a Cast; the logits are eqjax's."""
+    from eqjax.pytree import flatten
+    from eqjax.recipe import quantize as run_recipe
+    from eqjax.recipes import get_recipe
+
+    model, params = tiny["llama-gqa"]
+    q = run_recipe(params, get_recipe("fp+f16"), model=model)
+    m = build_model(model, q)
+    onnx.checker.check_model(m)
+    leaves = dict(flatten(q))
+    stored = {t.name.rsplit("_", 1)[0].replace(".", "/"): t for t in m.graph.initializer}
+    stored = {p: t for p, t in stored.items() if p in leaves}
+    assert len(stored) >= 14 and {t.data_type for t in stored.values()} == {onnx.TensorProto.FLOAT16}
+    assert {p: len(t.raw_data) for p, t in stored.items()} == {p: leaves[p].nbytes for p in stored}
+    ref = np.asarray(model.apply(q, jnp.asarray(TOKENS))[0])
+    np.testing.assert_allclose(onnx_logits(make_session(m), TOKENS), ref, rtol=0, atol=2e-5)

@@ -181,3 +181,19 @@ def test_cli_keeps_an_existing_file_unless_overwrite(source, tmp_path, capsys):
     assert "file type Q4_0" in capsys.readouterr().out
     assert out.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     assert load_gguf(out)[0].hidden == DIMS[0]
+
+
+def test_half_floats_are_written_as_f16(source, tmp_path):
+    """``+f16``: the table and norms as GGUF ``F16`` tensors, read back bit-exact."""
+    from eqjax.pytree import flatten
+
+    cfg, params, _ = load_gguf(source)
+    q = quantize(params, get_recipe("w4g128-rtn-sym+f16"), model=Model(cfg))
+    info = export_gguf(q, tmp_path / "m.gguf", source=source)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["token_embd.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F16"
+    assert types["blk.0.attn_q.weight"] == "Q4_0" and info["check"]["F16"] == 0.0
+    back = dict(flatten(load_gguf(tmp_path / "m.gguf")[1]))
+    for path, leaf in flatten(q):
+        np.testing.assert_array_equal(np.asarray(back[path], np.float32), np.asarray(dequantize_leaf(leaf), np.float32),
+                                      err_msg=path)

@@ -138,3 +138,24 @@ def test_partial_checkpoint_is_refused(tmp_path):
     assert is_partial_checkpoint(partial)
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
         load_quantized(partial)
+
+
+def test_half_floats_round_trip(tmp_path):
+    """``+f16`` leaves stay 16-bit on disk (kind "half" in the manifest) and reload as HalfFloats."""
+    from eqjax.qarray import HalfFloat
+
+    model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
+    params = model.init_params(jax.random.PRNGKey(1))
+    q = quantize(params, get_recipe("w4g128-rtn+emb-int8+f16"), model=model)
+    save_quantized(tmp_path / "ck", q, recipe="w4g128-rtn+emb-int8+f16", model=model)
+    manifest = json.loads((tmp_path / "ck" / "eqjax.json").read_text())
+    assert manifest["leaves"]["final_norm/scale"] == {"kind": "half", "shape": [64], "dtype": "float32"}
+    q2, _ = load_quantized(tmp_path / "ck", model=model)
+    h = q2["final_norm"]["scale"]
+    assert isinstance(h, HalfFloat) and h.values.dtype == jnp.float16
+    toks = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % 64
+    np.testing.assert_array_equal(np.asarray(model.apply(q, toks)[0]), np.asarray(model.apply(q2, toks)[0]))
+    manifest["leaves"]["final_norm/scale"]["dtype"] = "int8"  # a damaged manifest is named, not a traceback
+    (tmp_path / "ck" / "eqjax.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"final_norm/scale.*wider than float16"):
+        load_quantized(tmp_path / "ck", verify=False)

@@ -159,6 +159,11 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w4g128-rot-gptq-search": lambda: _rot(
         "w4g128-rot-gptq-search", "Rotation + GPTQ W4 asymmetric g128 on searched grids, the untied LM head int8 per channel",
         _gptq(bits=4, pattern=_LAYERS, grid="search"), RTN((weight_rule(8, pattern="lm_head/.*"),), name="lm-head-int8")),
+    # the same with the untied head left float: with +f16 it is stored as float16 (the whole artifact
+    # stays below w4g128-rtn's bytes with +emb-int8)
+    "w4g128-rot-gptq-search-fhead": lambda: _rot(
+        "w4g128-rot-gptq-search-fhead", "Rotation + GPTQ W4 asymmetric g128 on searched grids, the untied LM head float",
+        _gptq(bits=4, pattern=_LAYERS, grid="search")),
 }
 
 # ---- issue 13: searched grids (:mod:`eqjax.methods.grid`) and learned rounding

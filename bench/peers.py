@@ -306,7 +306,11 @@ def eqjax_what(recipe: str, description: str) -> str:
     """The 'what is quantized' cell of an eqjax row: every decoder linear, and the tied embedding / LM head
     as the recipe's ``+emb-*`` option says (float without one), then the recipe's own description."""
     emb = re.search(r"\+emb-(\w+)", recipe)
-    head = f"embedding / lm_head {emb.group(1)}" if emb else "tied embedding / lm_head float"
+    untied = "untied LM head" in description  # a rotation unties the head: the description says what it is
+    head = (f"embedding {emb.group(1)}" if untied else f"embedding / lm_head {emb.group(1)}") if emb else \
+        ("embedding float" if untied else "tied embedding / lm_head float")
+    half = re.search(r"\+(b?f16)$", recipe)
+    head += f"; params left float stored as {'bfloat16' if half and half.group(1) == 'bf16' else 'float16'}" if half else ""
     return f"every decoder linear; {head}" + (f" ({description})" if description else "")
 
 

@@ -265,10 +265,18 @@ def embedding_step(kind: str) -> RTN:
 
 
 def with_embedding(recipe: Recipe, kind: str) -> Recipe:
-    """``recipe`` followed by :func:`embedding_step` (named ``<recipe>+emb-<kind>``)."""
+    """``recipe`` followed by :func:`embedding_step` (named ``<recipe>+emb-<kind>``); before a final
+    ``+f16`` / ``+bf16`` step, which must stay last (``w4g128-rtn+f16`` -> ``w4g128-rtn+emb-int8+f16``)."""
     import dataclasses  # noqa: PLC0415
 
-    return dataclasses.replace(recipe, name=f"{recipe.name}+emb-{kind}", steps=tuple(recipe.steps) + (embedding_step(kind),))
+    from eqjax.methods.halffloat import HalfFloats  # noqa: PLC0415
+
+    steps, tail = list(recipe.steps), []
+    while steps and isinstance(steps[-1], HalfFloats):
+        tail.insert(0, steps.pop())
+    base, sep, half = recipe.name.rpartition("+")
+    name = f"{base}+emb-{kind}+{half}" if tail and sep and half in ("f16", "bf16") else f"{recipe.name}+emb-{kind}"
+    return dataclasses.replace(recipe, name=name, steps=tuple(steps) + (embedding_step(kind),) + tuple(tail))
 
 
 def with_half_floats(recipe: Recipe, kind: str) -> Recipe:

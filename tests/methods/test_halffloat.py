@@ -18,7 +18,7 @@ from eqjax.models import LlamaConfig, Model
 from eqjax.pytree import flatten, tree_nbytes
 from eqjax.qarray import HalfFloat, QArray, QArrayError, validate_half
 from eqjax.recipe import Recipe, RecipeError, quantize, recipe_from_dict
-from eqjax.recipes import get_recipe
+from eqjax.recipes import get_recipe, with_embedding
 from tests import zoo
 
 TOKENS = np.random.default_rng(3).integers(0, 64, (2, 10)).astype(np.int32)
@@ -107,6 +107,15 @@ def test_recipe_names_files_and_errors():
         recipe_from_dict({"name": "x", "steps": [{"method": "half", "dtype": "float8"}]})
     with pytest.raises(InputError, match="pattern"):
         HalfFloats(pattern="(")
+    # `export-onnx --embedding int8` on a +f16 recipe: the table step goes before the 16-bit step
+    r = with_embedding(get_recipe("w4g128-rtn+f16"), "int8")
+    assert r.name == "w4g128-rtn+emb-int8+f16" and [type(s).__name__ for s in r.steps] == ["RTN", "RTN", "HalfFloats"]
+
+
+def test_embedding_option_after_f16_quantizes_the_table(tiny):
+    model, params = tiny
+    q = quantize(params, with_embedding(get_recipe("w4g128-rtn+f16"), "int8"), model=model)
+    assert isinstance(q["embed"]["embedding"], QArray) and isinstance(q["final_norm"]["scale"], HalfFloat)
 
 
 def test_validator():

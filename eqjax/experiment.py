@@ -211,9 +211,10 @@ def _bits_summary(params: Any, recipe: Recipe) -> tuple[str, str, str]:
             a.add(leaf.act_bits)
         elif isinstance(leaf, QArray):
             w.add(leaf.bits)
-        elif path.endswith(("/kernel", "/embedding")):
-            halves += isinstance(leaf, HalfFloat)
-            floats += not isinstance(leaf, HalfFloat) and path.endswith("/kernel")
+        elif isinstance(leaf, HalfFloat):
+            halves += path.endswith(("/kernel", "/embedding"))
+        elif path.endswith("/kernel"):
+            floats += 1
     def fmt(s: set[int], none: str) -> str:
         if not s:
             return none

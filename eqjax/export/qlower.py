@@ -74,14 +74,15 @@ def export_params(params: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def lowered_at_use(leaf: Any) -> bool:
-    """True for a quantized leaf, lowered where a matmul or gather reads it; False for float params and a
-    :class:`~eqjax.qarray.HalfFloat` (an initializer: :func:`half_initializer`, or widened to float32)."""
+    """True for a quantized leaf, lowered where a matmul or gather reads it (ONNX) / written as blocks
+    (GGUF); False for float params and a :class:`~eqjax.qarray.HalfFloat` (a float tensor:
+    :func:`half_initializer`, or widened to float32)."""
     return is_quantized(leaf) and not isinstance(leaf, HalfFloat)
 
 
 def half_initializer(leaf: Any) -> bool:
-    """A float16 HalfFloat: written as a float16 initializer + ``Cast`` (onnxruntime folds it at load);
-    bfloat16 ones are widened to float32 initializers."""
+    """A float16 HalfFloat: written as float16 (ONNX: an initializer + ``Cast``, folded by onnxruntime at
+    load; GGUF: ``F16``); bfloat16 ones are widened to float32."""
     return isinstance(leaf, HalfFloat) and np.dtype(leaf.values.dtype) == np.float16
 
 

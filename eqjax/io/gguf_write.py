@@ -37,7 +37,7 @@ import numpy as np
 
 from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_gguf, tensor_plan
 from eqjax.pytree import flatten
-from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, is_quantized
+from eqjax.qarray import ActQuantKernel, QArray, is_quantized
 
 __all__ = ["export_gguf", "gguf_blocks", "permute_qk", "BLOCK"]
 
@@ -133,6 +133,7 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
     import gguf  # noqa: PLC0415
 
     from eqjax.atomic import atomic_path, check_output_file  # noqa: PLC0415
+    from eqjax.export.qlower import half_initializer, lowered_at_use  # noqa: PLC0415
     from eqjax.numerics import dequantize_leaf  # noqa: PLC0415
 
     src = os.fspath(source)
@@ -151,9 +152,9 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
         path = "/".join(where)
         ref = np.asarray(dequantize_leaf(leaf) if is_quantized(leaf) else leaf, np.float32)
         ref = ref.T if linear else ref
-        if isinstance(leaf, HalfFloat) and np.dtype(leaf.values.dtype) == np.float16:  # exact, 2 bytes each
+        if half_initializer(leaf):  # a float16 HalfFloat: exact, 2 bytes each
             kind, data = "F16", np.ascontiguousarray((ref if heads is None else permute_qk(ref, heads)).astype(np.float16))
-        elif is_quantized(leaf) and not isinstance(leaf, HalfFloat):
+        elif lowered_at_use(leaf):
             codes, scales, zps, bits = _torch_blocks(leaf, linear, path)
             if heads is not None:
                 codes, scales, zps = (permute_qk(a, heads) for a in (codes, scales, zps))

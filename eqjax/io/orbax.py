@@ -115,10 +115,7 @@ def _decode(meta: dict[str, Any], arrays: dict[str, Any], path: str, root: pathl
             )
         return leaf
     if kind == "half":
-        values = jnp.asarray(arrays[path])
-        if list(values.shape) != list(meta.get("shape", values.shape)):
-            raise CheckpointError(f"checkpoint array has the wrong shape ({root}: {path}): expected "
-                                  f"{tuple(meta['shape'])}, found {tuple(values.shape)}")
+        values = _decode({"kind": "array", "shape": meta.get("shape")}, arrays, path, root)
         try:
             return validate_half(HalfFloat(values, jnp.dtype(meta["dtype"])), name=path)
         except (QArrayError, TypeError) as e:

@@ -104,11 +104,17 @@ class Model:
         """int32 positions ``[batch, length]``: ``start, start + 1, ...``."""
         return jnp.broadcast_to(jnp.asarray(start, jnp.int32) + jnp.arange(length, dtype=jnp.int32), (batch, length))
 
+    def _widen_outside_layers(self, params: Params) -> Params:
+        """``params`` with the HalfFloat leaves of its non-layer entries (tables, final norm, head) widened;
+        the layers are left as they are (:meth:`block` widens its own)."""
+        layers = set(self.layer_names)
+        return {k: v if k in layers else widen_halves(v) for k, v in params.items()}
+
     def embed(self, params: Params, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Embeddings ``h [B, T, D]`` (compute dtype) of ``tokens [B, T]`` at ``positions [B, T]``."""
         if positions is None:
             positions = self.positions(*tokens.shape)
-        params = widen_halves(params)
+        params = self._widen_outside_layers(params)
         if isinstance(self.config, GPT2Config):
             return gpt2.embed(self.config, params, tokens, positions, self.compute_dtype)
         return llama.embed(self.config, params, tokens, self.compute_dtype)
@@ -135,7 +141,7 @@ class Model:
 
     def head(self, params: Params, h: jax.Array) -> jax.Array:
         """Final norm and LM head: float32 logits ``[B, T, V]``."""
-        return self._impl.head(self.config, widen_halves(params), h)
+        return self._impl.head(self.config, self._widen_outside_layers(params), h)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
         """An empty KV cache: k, v ``[L, batch, Hkv, max_len, hd]``, length 0."""

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 import jax
@@ -19,7 +20,8 @@ import numpy as np
 
 __all__ = ["shared_jit", "StepBudget", "share_budget"]
 
-_COMPILED: dict[tuple, Callable] = {}
+_COMPILED: OrderedDict[tuple, Callable] = OrderedDict()  # least recently used first
+_COMPILED_MAX = 32
 
 
 class shared_jit:  # noqa: N801 - used like jax.jit
@@ -42,13 +44,26 @@ class shared_jit:  # noqa: N801 - used like jax.jit
             if fn is None:
                 jaxpr = closed.jaxpr
                 fn = jax.jit(lambda consts, xs: jax.core.eval_jaxpr(jaxpr, consts, *xs))
-                if len(_COMPILED) > 32:
-                    _COMPILED.clear()
-                _COMPILED[key] = fn
-            hit = (fn, list(closed.consts), jax.tree_util.tree_structure(out_shape))
+            hit = (key, fn, list(closed.consts), jax.tree_util.tree_structure(out_shape))
             self._traced[sig] = hit
-        fn, consts, out_tree = hit
+        key, fn, consts, out_tree = hit
+        _remember(key, fn)
         return jax.tree_util.tree_unflatten(out_tree, fn(consts, leaves))
+
+    def executables(self) -> list[Callable]:
+        """The jitted programs this function runs, one per argument signature traced, in tracing order."""
+        return [hit[1] for hit in self._traced.values()]
+
+
+def _remember(key: tuple, fn: Callable) -> None:
+    """Mark ``fn`` as the most recently used program; a full cache drops its least recently used one
+    (never all of them: the blocks of a running job keep sharing their program)."""
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return
+    while len(_COMPILED) >= _COMPILED_MAX:
+        _COMPILED.popitem(last=False)
+    _COMPILED[key] = fn
 
 
 def share_budget(total: float | None, t_start: float, blocks_left: int) -> float | None:

@@ -18,8 +18,29 @@ def test_shared_jit_reuses_one_executable_for_identical_programs():
     f1, f2 = shared_jit(make(jnp.full((3,), 2.0))), shared_jit(make(jnp.full((3,), 3.0)))
     np.testing.assert_allclose(np.asarray(f1(x)), np.sin(1.0) * 2.0, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(f2(x)), np.sin(1.0) * 3.0, rtol=1e-6)
-    (e1,), (e2,) = ({h[0] for h in f._traced.values()} for f in (f1, f2))
+    (e1,), (e2,) = (f.executables() for f in (f1, f2))
     assert e1 is e2
+
+
+def test_shared_jit_keeps_the_program_in_use_when_the_cache_is_full():
+    """A cache full of other programs (other tests, other methods in the same process) evicts the least
+    recently used one, never the program the blocks of a running job are sharing (this used to clear the
+    whole cache and compile that program again between two blocks)."""
+    from eqjax import blockfit
+
+    def make(c, k):
+        return lambda x: jnp.sin(x) * c + k * jnp.cos(x)  # one program per k (a traced literal)
+
+    x = jnp.ones((3,))
+    shared = [shared_jit(make(jnp.full((3,), float(i)), 0.5)) for i in range(2)]
+    shared[0](x)
+    for k in range(2 * blockfit._COMPILED_MAX):  # a full cache's worth of other programs, twice over,
+        shared_jit(make(jnp.ones((3,)), float(k) + 1.0))(x)  # the shared one used between each
+        shared[0](x)
+    shared[1](x)
+    (e0,), (e1,) = (f.executables() for f in shared)
+    assert e0 is e1
+    assert len(blockfit._COMPILED) == blockfit._COMPILED_MAX
 
 
 def test_step_budget_without_limit_keeps_the_count():

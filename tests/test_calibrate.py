@@ -121,7 +121,7 @@ def test_identical_blocks_share_one_compiled_step():
     cal.run_blocks(_flat(params), per_block)
     execs = {}  # block start -> the executables of its steps, in the order they were made
     for key, f in cal._cache.items():
-        execs.setdefault(key[0], []).extend(h[0] for h in f._traced.values())
+        execs.setdefault(key[0], []).extend(f.executables())
     e0, e1, e2 = (execs[start[f"layers_{i}"]] for i in range(3))
     assert len(e1) == 2 and e1 == e2  # one statistics step and one advance step, shared
     assert not set(e0) & set(e1)

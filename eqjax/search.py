@@ -111,8 +111,9 @@ DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingCandidate:
-    """One storage choice for the embedding table(s) (and a tied LM head): ``float`` (as loaded) or a
-    built-in embedding option of :func:`eqjax.recipes.embedding_rule_dict` (``int8``, ``int4``)."""
+    """One storage choice for the embedding table(s) (and a tied LM head): ``float`` (as loaded), a
+    built-in embedding option of :func:`eqjax.recipes.embedding_rule_dict` (``int8``, ``int4``), or the
+    float table stored in 16 bits (``f16``, ``bf16``: :class:`~eqjax.methods.halffloat.HalfFloats`)."""
 
     kind: str = "float"
 
@@ -120,8 +121,13 @@ class EmbeddingCandidate:
         return f"emb-{self.kind}"
 
     def rule_dict(self, pattern: str = ".*", k_in: int | None = None) -> dict[str, Any] | None:
+        """The option's recipe-file rule (role ``embedding``); a 16-bit option's carries ``half`` (its
+        dtype) and ``pattern`` (the tables' paths), and becomes a ``half`` step of its own; float: None."""
+        from eqjax.methods.halffloat import HALF_KINDS  # noqa: PLC0415
         from eqjax.recipes import embedding_rule_dict  # noqa: PLC0415
 
+        if self.kind in HALF_KINDS:
+            return {"role": "embedding", "half": HALF_KINDS[self.kind], "pattern": pattern}
         return None if self.kind == "float" else embedding_rule_dict(self.kind)
 
 
@@ -306,11 +312,13 @@ METHODS: dict[str, dict[str, Any]] = {
 
 def _recipe_dict(name: str, description: str, method: str, rule_dicts: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     """One ``method`` step (:data:`METHODS`, or a step name) for the matmul rules, then one ``rtn`` step for
-    embedding rules (if any)."""
-    mats = [dict(r) for r in rule_dicts if r is not None and r.get("role") != "embedding"]
-    embs = [dict(r) for r in rule_dicts if r is not None and r.get("role") == "embedding"]
+    embedding rules (if any), then a ``half`` step per 16-bit table option (last: it only stores)."""
+    rule_dicts = [r for r in rule_dicts if r is not None]
+    mats = [dict(r) for r in rule_dicts if r.get("role") != "embedding"]
+    embs = [dict(r) for r in rule_dicts if r.get("role") == "embedding" and "half" not in r]
+    halves = [{"method": "half", "dtype": r["half"], "pattern": r["pattern"]} for r in rule_dicts if "half" in r]
     step = dict(METHODS.get(method, {"method": method}))
-    steps = [{**step, "rules": mats}] + ([{"method": "rtn", "rules": embs}] if embs else [])
+    steps = [{**step, "rules": mats}] + ([{"method": "rtn", "rules": embs}] if embs else []) + halves
     return {"name": name, "description": description, "steps": steps}
 
 
@@ -365,7 +373,7 @@ def search(
       hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
       kl_windows: token windows for the ``kl`` proxy's forward passes (default: the first two calibration
         windows); kl_ref_bits: the bit width it is measured at (each layer's smallest option of that width).
-      embedding: embedding options (``"int8"``, ``"int4"``) searched beside float for the embedding table(s)
+      embedding: embedding options (``"int8"``, ``"int4"``, ``"f16"``, ``"bf16"``) searched beside float for the table(s)
         as one more knapsack item (``kl`` proxy only; :func:`eqjax.sensitivity.embedding_layer`). ``budget_bits`` then means
         the bytes of linears at that average with the tables float, spent however the search finds best.
 
@@ -472,7 +480,7 @@ def search(
 
 def rules_for_picks(layers: Sequence[Layer], picks: Sequence[int]) -> tuple[dict[str, Any], ...]:
     """Rule dicts for one option per layer (e.g. a Pareto point's ``picks``); a float table has none."""
-    rd = (L.options[j].rule_dict(re.escape(L.path), L.shape[0]) for L, j in zip(layers, picks))
+    rd = (L.options[j].rule_dict("|".join(re.escape(p) for p in L.paths), L.shape[0]) for L, j in zip(layers, picks))
     return tuple(r for r in rd if r is not None)
 
 

@@ -54,8 +54,8 @@ def add_search_args(p: Any) -> Any:
     p.add_argument("--proxy", default="kl", choices=PROXIES,
                    help="sensitivity proxy (default kl: measured single-layer KL carried by the Hessian error)")
     p.add_argument("--embedding", default="int8,int4",
-                   help="embedding-table options searched beside float (comma-separated of int8, int4; 'none': "
-                        "the tables stay as loaded); needs the kl proxy")
+                   help="embedding-table options searched beside float (comma-separated of int8, int4, f16, bf16; "
+                        "'none': the tables stay as loaded); needs the kl proxy")
     p.add_argument("--calib-windows", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows for the Pareto ppl (0: skip)")
@@ -85,9 +85,9 @@ def search_main(args: Any) -> int:
 
     known = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
     emb = [] if args.embedding in ("", "none") else str(args.embedding).split(",")
-    bad = [e for e in emb if e not in ("int8", "int4")]
+    bad = [e for e in emb if e not in ("int8", "int4", "f16", "bf16")]
     if bad or (emb and args.proxy != "kl"):
-        why = f"unknown option {bad[0]!r} (expected int8, int4 or none)" if bad else "embedding options need --proxy kl"
+        why = f"unknown option {bad[0]!r} (expected int8, int4, f16, bf16 or none)" if bad else "embedding options need --proxy kl"
         print(f"error: bad --embedding {args.embedding!r}: {why}", file=sys.stderr)
         return 2
     base = []

@@ -125,32 +125,39 @@ def method_errors(params: Any, hessians: Any, layers: Sequence[Layer], step: Any
 
 def embedding_layer(model: Any, params: Any, probe: KLProbe, kinds: Sequence[str] = ("int8", "int4")) -> Layer | None:
     """The embedding table(s) (a tied LM head with them) as one searchable pseudo-layer: options ``float`` and
-    ``kinds`` (:func:`eqjax.recipes.embedding_rule_dict`), their stored bytes, and a ``kl`` error measured
-    directly (one forward pass per option). None when the model has no embedding table."""
+    ``kinds`` (:func:`eqjax.recipes.embedding_rule_dict`'s, or ``f16`` / ``bf16``: the table stored in 16
+    bits), their stored bytes, and a ``kl`` error measured directly (one forward pass per option). None when
+    the model has no embedding table."""
+    import re  # noqa: PLC0415
+
     from eqjax.errors import EqjaxError  # noqa: PLC0415
+    from eqjax.methods.halffloat import HALF_KINDS, HalfFloats  # noqa: PLC0415
     from eqjax.qarray import is_quantized  # noqa: PLC0415
     from eqjax.recipe import quantize as run_recipe  # noqa: PLC0415
     from eqjax.recipes import embedding_step  # noqa: PLC0415
 
     flat = dict(flatten(params))
-    opts, sizes, kls, covers = [EmbeddingCandidate("float")], [], [0.0], None
+
+    def changed(qp: Any) -> tuple[str, ...]:
+        return tuple(sorted(k for k, v in flatten(qp) if is_quantized(v) and not is_quantized(flat[k])))
+
+    try:  # the tables: what the embedding step quantizes (by role)
+        covers = changed(run_recipe(params, Recipe("emb-int8", (embedding_step("int8"),)), model=model))
+    except EqjaxError:  # quantizes nothing: no embedding table
+        return None
+    if not covers:
+        return None
+    tables = "|".join(re.escape(p) for p in covers)
+    opts, sizes, kls = [EmbeddingCandidate("float")], [sum(int(flat[k].nbytes) for k in covers)], [0.0]
     for kind in kinds:
-        try:
-            qp = run_recipe(params, Recipe(f"emb-{kind}", (embedding_step(kind),)), model=model)
-        except EqjaxError:  # quantizes nothing: no embedding table
-            return None
+        step = HalfFloats(HALF_KINDS[kind], tables, name=f"emb-{kind}") if kind in HALF_KINDS else embedding_step(kind)
+        qp = run_recipe(params, Recipe(f"emb-{kind}", (step,)), model=model)
+        if changed(qp) != covers:
+            raise ValueError(f"embedding option {kind} stores other params than {covers}: {changed(qp)}")
         qflat = dict(flatten(qp))
-        changed = tuple(sorted(k for k, v in qflat.items() if is_quantized(v) and not is_quantized(flat[k])))
-        if covers is None:
-            covers = changed
-            sizes.append(sum(int(flat[k].nbytes) for k in covers))
-        elif changed != covers:
-            raise ValueError(f"embedding options quantize different params: {covers} vs {changed}")
         sizes.append(sum(int(qflat[k].nbytes) for k in covers))
         kls.append(max(probe.of(qp)[0], 0.0))
         opts.append(EmbeddingCandidate(kind))
-    if not covers:
-        return None
     shape = tuple(int(d) for d in flat[covers[0]].shape)
     return Layer(covers[0], shape, tuple(opts), tuple(sizes), {"kl": tuple(kls)}, covers)
 

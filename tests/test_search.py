@@ -222,6 +222,32 @@ def test_embedding_is_one_more_knapsack_item(tiny):
     assert uniform_picks(res.layers, Candidate(4, 64))[res.layers.index(L)] == 0
 
 
+def test_a_16_bit_table_is_an_option_and_its_own_last_step(tiny):
+    """``f16`` / ``bf16`` table options: half the float bytes, KL measured directly (float64 oracle against
+    the table rounded to 16 bits), a ``half`` step after every other in the searched recipe, which
+    round-trips through a recipe file; with the freed bytes worth more than its KL, the search takes it."""
+    from eqjax.methods.halffloat import HalfFloats
+    from eqjax.qarray import HalfFloat
+    from eqjax.recipe import Recipe
+
+    model, params, cal, H = tiny
+    res = search(model, params, cal, budget_bits=3.0, candidates=CANDS, hessians=H, embedding=("f16", "bf16"),
+                 pareto_bits=(3.0,))
+    (L,) = [x for x in res.layers if x.is_embedding]
+    assert [o.kind for o in L.options] == ["float", "f16", "bf16"]
+    assert L.nbytes[1] == L.nbytes[2] == L.nbytes[0] // 2
+    for j, dtype in ((1, "float16"), (2, "bfloat16")):  # the probe's float32 KL is good to ~2e-8 absolute
+        qp = quantize(params, Recipe(dtype, (HalfFloats(dtype, "embed/embedding"),)), model=model)
+        assert 0 < L.errors["kl"][j] == pytest.approx(_kl64(model, params, qp, cal), rel=2e-3, abs=3e-8)
+    assert L.errors["kl"][1] < L.errors["kl"][2]  # float16 keeps 3 more mantissa bits
+    assert res.choices[L.path] == "emb-f16"
+    d = res.recipe_dict()
+    assert d["steps"][-1] == {"method": "half", "dtype": "float16", "pattern": "embed/embedding"}
+    for recipe in (res.recipe, recipe_from_dict(json.loads(json.dumps(d)))):
+        qp = quantize(params, recipe, model=model)
+        assert isinstance(qp["embed"]["embedding"], HalfFloat) and tree_nbytes(qp) == res.total_bytes
+
+
 def test_embedding_options_need_the_kl_proxy(tiny):
     model, params, cal, H = tiny
     with pytest.raises(ValueError, match="kl proxy only"):

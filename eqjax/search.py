@@ -351,7 +351,7 @@ def search(
     hessians: Mapping[str, np.ndarray] | None = None,
     name: str | None = None,
     kl_windows: np.ndarray | None = None,
-    kl_ref_bits: int = 3,
+    kl_ref_bits: int | Sequence[int] = 3,
     embedding: Sequence[str] = (),
     progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
@@ -372,7 +372,8 @@ def search(
       pareto_bits: average-bit budgets at which the Pareto curve is sampled.
       hessians: precomputed :func:`collect_hessians` output (skips the forward pass).
       kl_windows: token windows for the ``kl`` proxy's forward passes (default: the first two calibration
-        windows); kl_ref_bits: the bit width it is measured at (each layer's smallest option of that width).
+        windows); kl_ref_bits: the bit width(s) it is measured at (each layer's smallest option of that width;
+        several: each option carried from the nearest, :func:`eqjax.sensitivity.calibrate_kl`).
       embedding: embedding options (``"int8"``, ``"int4"``, ``"f16"``, ``"bf16"``) searched beside float for the table(s)
         as one more knapsack item (``kl`` proxy only; :func:`eqjax.sensitivity.embedding_layer`). ``budget_bits`` then means
         the bytes of linears at that average with the tables float, spent however the search finds best.

@@ -56,6 +56,9 @@ def add_search_args(p: Any) -> Any:
     p.add_argument("--embedding", default="int8,int4",
                    help="embedding-table options searched beside float (comma-separated of int8, int4, f16, bf16; "
                         "'none': the tables stay as loaded); needs the kl proxy")
+    p.add_argument("--kl-ref-bits", default="3",
+                   help="bit width(s) the kl proxy is measured at, comma-separated (e.g. 2,3: one forward pass per "
+                        "layer and width; each option carried from the nearest width)")
     p.add_argument("--calib-windows", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows for the Pareto ppl (0: skip)")
@@ -90,6 +93,14 @@ def search_main(args: Any) -> int:
         why = f"unknown option {bad[0]!r} (expected int8, int4, f16, bf16 or none)" if bad else "embedding options need --proxy kl"
         print(f"error: bad --embedding {args.embedding!r}: {why}", file=sys.stderr)
         return 2
+    try:
+        ref_bits = tuple(int(b) for b in str(args.kl_ref_bits).split(","))
+    except ValueError:
+        ref_bits = ()
+    if not ref_bits or any(not 2 <= b <= 8 for b in ref_bits):
+        print(f"error: bad --kl-ref-bits {args.kl_ref_bits!r}: expected bit widths in 2..8, comma-separated",
+              file=sys.stderr)
+        return 2
     base = []
     for b in filter(None, str(args.baselines).split(",")):
         try:
@@ -110,7 +121,8 @@ def search_main(args: Any) -> int:
     pbits = [float(x) for x in str(args.pareto_bits).split(",") if x]
     try:
         res = search(model, params, cal, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
-                     method=args.method, proxy=args.proxy, pareto_bits=pbits, embedding=emb, progress=say)
+                     method=args.method, proxy=args.proxy, pareto_bits=pbits, embedding=emb, kl_ref_bits=ref_bits,
+                     progress=say)
     except BudgetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

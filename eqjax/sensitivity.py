@@ -66,26 +66,33 @@ def _smallest_option(L: Layer, bits: int) -> int | None:
     return min(opts, key=lambda j: L.nbytes[j]) if opts else None
 
 
-def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *, ref_bits: int = 3,
-                 progress: Callable[[str], None] | None = None, probe: KLProbe | None = None) -> list[Layer]:
+def calibrate_kl(model: Any, params: Any, windows: np.ndarray, layers: Sequence[Layer], *,
+                 ref_bits: int | Sequence[int] = 3, progress: Callable[[str], None] | None = None,
+                 probe: KLProbe | None = None) -> list[Layer]:
     """``layers`` with a ``kl`` proxy added: the measured KL of the logits (nats per prediction) when a layer alone
     is quantized at its smallest ``ref_bits`` option, carried to the layer's other options in proportion to
     their Hessian error (``kl(c) = kl(ref) * hessian(c) / hessian(ref)``, a layer's second-order KL being
-    proportional to its output error). One forward pass per layer on ``windows``.
+    proportional to its output error). One forward pass per layer and reference width on ``windows``.
 
     The measured factor carries what the Hessian error of a layer alone cannot: how much the rest of the
-    network amplifies or damps that layer's output error."""
+    network amplifies or damps that layer's output error. With several widths (``ref_bits=(2, 3)``) each
+    option is carried from the reference of the nearest width (the narrower on a tie): the factor is not
+    the same at every width (2-bit damage grows faster than the Hessian error says)."""
     probe = probe or KLProbe(model, params, windows)
+    widths = sorted({int(b) for b in np.atleast_1d(ref_bits)})
     out = []
     for n, L in enumerate(layers):
-        j = _smallest_option(L, ref_bits)
-        if j is None:
-            raise ValueError(f"{L.path}: no {ref_bits}-bit option to measure the kl proxy at")
-        kl, _ = probe.measure(L.path, L.options[j].spec(L.shape[0]))
         h = L.errors["hessian"]  # the applying method's (method_errors), measured with RTN at the reference
-        ref = L.errors.get("hessian_rtn", h)[j]
-        scale = max(kl, 0.0) / ref if ref > 0 else 0.0
-        out.append(dataclasses.replace(L, errors={**L.errors, "kl": tuple(scale * e for e in h)}))
+        h_ref = L.errors.get("hessian_rtn", h)
+        scale = {}
+        for b in widths:
+            j = _smallest_option(L, b)
+            if j is None:
+                raise ValueError(f"{L.path}: no {b}-bit option to measure the kl proxy at")
+            kl, _ = probe.measure(L.path, L.options[j].spec(L.shape[0]))
+            scale[b] = max(kl, 0.0) / h_ref[j] if h_ref[j] > 0 else 0.0
+        near = [min(widths, key=lambda b: (abs(b - c.bits), b)) for c in L.options]
+        out.append(dataclasses.replace(L, errors={**L.errors, "kl": tuple(scale[b] * e for b, e in zip(near, h))}))
         if progress and (n + 1) % 10 == 0:
             progress(f"kl proxy: {n + 1}/{len(layers)} layers measured")
     return out

@@ -25,6 +25,32 @@ def test_kl_proxy_is_the_measured_kl_carried_by_the_hessian_error(tiny):
         np.testing.assert_allclose(ratio, ratio[j], rtol=1e-6)
 
 
+def test_kl_proxy_at_two_widths_carries_each_option_from_the_nearest(tiny):
+    """``ref_bits=(2, 3)``: the 2-bit and 3-bit references are each the measured KL (float64 oracle); 2-bit
+    options carry the 2-bit factor, 3- to 8-bit ones the 3-bit factor (the same as with ``ref_bits=3``)."""
+    from eqjax.numerics import fake_quantize
+    from eqjax.pytree import get_path, set_path
+    from eqjax.search import layer_table
+    from eqjax.sensitivity import calibrate_kl
+
+    model, params, cal, H = tiny
+    table = layer_table(params, H, CANDS)
+    one = calibrate_kl(model, params, cal, table[:3], ref_bits=3)
+    two = calibrate_kl(model, params, cal, table[:3], ref_bits=(2, 3))
+    for L1, L2 in zip(one, two):
+        bits = np.array([c.bits for c in L2.options])
+        assert (bits == 2).any() and (bits > 2).any()
+        np.testing.assert_allclose(np.asarray(L2.errors["kl"])[bits > 2], np.asarray(L1.errors["kl"])[bits > 2], rtol=1e-6)
+        j = min((i for i in range(len(bits)) if bits[i] == 2), key=lambda i: L2.nbytes[i])
+        w = get_path(params, L2.path)
+        want = _kl64(model, params, set_path(params, L2.path, fake_quantize(w, L2.options[j].spec(L2.shape[0]))), cal)
+        assert L2.errors["kl"][j] == pytest.approx(want, rel=2e-3, abs=1e-7)
+        ratio = np.asarray(L2.errors["kl"]) / np.asarray(L2.errors["hessian"])
+        np.testing.assert_allclose(ratio[bits == 2], ratio[j], rtol=1e-6)
+    with pytest.raises(ValueError, match="no 5-bit option"):
+        calibrate_kl(model, params, cal, table[:1], ref_bits=(3, 5))
+
+
 def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
     """v_proj / 16 and o_proj * 16 is the same function (attention is linear in the values): the measured
     sensitivity of v_proj is unchanged, its Hessian error drops 256x. The kl proxy must not move."""

@@ -51,6 +51,17 @@ def test_kl_proxy_at_two_widths_carries_each_option_from_the_nearest(tiny):
         calibrate_kl(model, params, cal, table[:1], ref_bits=(3, 5))
 
 
+def test_a_table_beyond_float16s_range_gets_no_f16_option(tiny):
+    """A table value past 65504 would become Inf in float16: the f16 option is left out (bf16 stays)."""
+    from eqjax.sensitivity import KLProbe, embedding_layer
+
+    model, params, cal, _ = tiny
+    big = {**params, "embed": {"embedding": params["embed"]["embedding"].at[3, 5].set(1e5)}}
+    L = embedding_layer(model, big, KLProbe(model, big, cal[:1]), ("int8", "f16", "bf16"))
+    assert [o.kind for o in L.options] == ["float", "int8", "bf16"]
+    assert np.isfinite(L.errors["kl"]).all()
+
+
 def test_kl_proxy_sees_through_a_rescaling_that_fools_the_hessian_error(tiny):
     """v_proj / 16 and o_proj * 16 is the same function (attention is linear in the values): the measured
     sensitivity of v_proj is unchanged, its Hessian error drops 256x. The kl proxy must not move."""

@@ -387,6 +387,10 @@ def search(
         raise ValueError(f"unknown proxy {proxy!r}: use one of {', '.join(PROXIES)}")
     if not candidates:
         raise ValueError("no candidates")
+    missing = sorted({int(b) for b in np.atleast_1d(kl_ref_bits)} - {c.bits for c in candidates})
+    if proxy == "kl" and missing:
+        raise ValueError(f"kl_ref_bits {missing} is not among the candidates' widths "
+                         f"{sorted({c.bits for c in candidates})}")
     t0 = time.perf_counter()
     if hessians is None:
         hessians = collect_hessians(model, params, calibration_windows, progress=say)

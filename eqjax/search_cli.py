@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from eqjax.pareto import evaluate_pareto, plot_pareto
-from eqjax.search import METHODS, PROXIES, BudgetError, Candidate, search
+from eqjax.search import DEFAULT_CANDIDATES, METHODS, PROXIES, BudgetError, Candidate, search
 from eqjax.sensitivity import validate_proxy
 
 __all__ = ["add_search_args", "search_main", "pareto_markdown"]
@@ -97,9 +97,10 @@ def search_main(args: Any) -> int:
         ref_bits = tuple(int(b) for b in str(args.kl_ref_bits).split(","))
     except ValueError:
         ref_bits = ()
-    if not ref_bits or any(not 2 <= b <= 8 for b in ref_bits):
-        print(f"error: bad --kl-ref-bits {args.kl_ref_bits!r}: expected bit widths in 2..8, comma-separated",
-              file=sys.stderr)
+    widths = sorted({c.bits for c in DEFAULT_CANDIDATES})
+    if not ref_bits or any(b not in widths for b in ref_bits):
+        print(f"error: bad --kl-ref-bits {args.kl_ref_bits!r}: expected candidate widths among "
+              f"{', '.join(map(str, widths))}, comma-separated", file=sys.stderr)
         return 2
     base = []
     for b in filter(None, str(args.baselines).split(",")):

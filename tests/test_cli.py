@@ -202,6 +202,7 @@ def test_eval_also_on_news_matches_a_float64_oracle(tiny, tmp_path):
     (["--baselines", "w4g128a,w4g128-rtn+emb-int9"], "found 'w4g128-rtn+emb-int9'"),
     (["--kl-ref-bits", "2,x"], "bad --kl-ref-bits '2,x'"),
     (["--kl-ref-bits", "1"], "bad --kl-ref-bits '1'"),
+    (["--kl-ref-bits", "3,5"], "bad --kl-ref-bits '3,5'"),
 ])
 def test_search_refuses_bad_flags_before_loading(argv, msg, capsys, tmp_path):
     rc = main(["search", "--budget-bits", "4", "--out", str(tmp_path / "o"), *argv])

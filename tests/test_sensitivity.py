@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from test_search import CANDS, _kl64, tiny  # noqa: F401 - the module fixture
 
-from eqjax.search import collect_hessians
+from eqjax.search import collect_hessians, search
 
 
 def test_kl_proxy_is_the_measured_kl_carried_by_the_hessian_error(tiny):
@@ -49,6 +49,8 @@ def test_kl_proxy_at_two_widths_carries_each_option_from_the_nearest(tiny):
         np.testing.assert_allclose(ratio[bits == 2], ratio[j], rtol=1e-6)
     with pytest.raises(ValueError, match="no 5-bit option"):
         calibrate_kl(model, params, cal, table[:1], ref_bits=(3, 5))
+    with pytest.raises(ValueError, match=r"kl_ref_bits \[5\] is not among the candidates' widths"):
+        search(model, params, cal, budget_bits=4.0, candidates=CANDS, kl_ref_bits=(3, 5))  # before any work
 
 
 def test_a_table_beyond_float16s_range_gets_no_f16_option(tiny):

@@ -149,20 +149,22 @@ def embedding_layer(model: Any, params: Any, probe: KLProbe, kinds: Sequence[str
         return tuple(sorted(k for k, v in flatten(qp) if is_quantized(v) and not is_quantized(flat[k])))
 
     try:  # the tables: what the embedding step quantizes (by role)
-        covers = changed(run_recipe(params, Recipe("emb-int8", (embedding_step("int8"),)), model=model))
+        int8 = run_recipe(params, Recipe("emb-int8", (embedding_step("int8"),)), model=model)
     except EqjaxError:  # quantizes nothing: no embedding table
         return None
+    covers = changed(int8)
     if not covers:
         return None
     tables = "|".join(re.escape(p) for p in covers)
     opts, sizes, kls = [EmbeddingCandidate("float")], [sum(int(flat[k].nbytes) for k in covers)], [0.0]
     for kind in kinds:
         step = HalfFloats(HALF_KINDS[kind], tables, name=f"emb-{kind}") if kind in HALF_KINDS else embedding_step(kind)
-        qp = run_recipe(params, Recipe(f"emb-{kind}", (step,)), model=model)
-        if kind == "f16" and changed(qp) != covers:  # a value beyond float16's range: no f16 option
+        qp = int8 if kind == "int8" else run_recipe(params, Recipe(f"emb-{kind}", (step,)), model=model)
+        got = changed(qp)
+        if got != covers and kind == "f16":  # a value beyond float16's range: no f16 option
             continue
-        if changed(qp) != covers:
-            raise ValueError(f"embedding option {kind} stores other params than {covers}: {changed(qp)}")
+        if got != covers:
+            raise ValueError(f"embedding option {kind} stores other params than {covers}: {got}")
         qflat = dict(flatten(qp))
         sizes.append(sum(int(qflat[k].nbytes) for k in covers))
         kls.append(max(probe.of(qp)[0], 0.0))

@@ -178,15 +178,68 @@ def test_smollm2_budget_below_minimum_is_reported():
         search(model, params, cal, budget_bits=1.0)
 
 
+EPS32 = float(np.finfo(np.float32).eps)
+FORWARD_ULPS = 32  # two float32 evaluations of one logit (fused or not, AVX2 or AVX-512) differ by <= this many ulps
+
+
 def _kl64(model, params, qparams, toks):
-    """Mean KL(FP || quantized) per prediction, in float64 NumPy from the two models' logits."""
-    def logp(p):
-        z = np.asarray(model.apply(p, jnp.asarray(toks))[0][:, :-1], np.float64)
+    """Mean KL(FP || quantized) per prediction, in float64 NumPy from the two models' float32 logits, and the
+    absolute tolerance a float32 measurement of it carries (``pytest.approx(kl, abs=tol)``).
+
+    Derivation: the probe computes the same KL from its own float32 evaluation of the same logits. (1) Its
+    logits differ from these by ``e`` with ``|e| <= FORWARD_ULPS * eps32 * max|z|`` per logit (summation order
+    and SIMD width); the KL's first-order change is ``E_p[d e]`` for the centred logit difference ``d``, so by
+    Cauchy-Schwarz ``<= 2 * sqrt(E_p d^2) * max|e|`` (two evaluations, FP and quantized). (2) Its float32
+    reduction adds ``<= (V + 8) * eps32 * E_p|d|``: recursive summation of ``V`` terms of size ``p|d|``
+    (Higham's ``gamma_V``), plus a few ulps each for the softmax, the centring and ``expm1``.
+    """
+    def logits(p):
+        return np.asarray(model.apply(p, jnp.asarray(toks))[0][:, :-1], np.float64)
+
+    za, zb = logits(params), logits(qparams)
+
+    def logp(z):
         z = z - z.max(-1, keepdims=True)
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
-    a, b = logp(params), logp(qparams)
-    return float(np.mean(np.sum(np.exp(a) * (a - b), -1)))
+    a, b = logp(za), logp(zb)
+    p = np.exp(a)
+    kl = float(np.mean(np.sum(p * (a - b), -1)))
+    d = (zb - za) - np.sum(p * (zb - za), -1, keepdims=True)
+    e = FORWARD_ULPS * EPS32 * max(np.abs(za).max(), np.abs(zb).max())
+    forward = 2 * np.sqrt(np.mean(np.sum(p * d * d, -1))) * e
+    reduction = (za.shape[-1] + 8) * EPS32 * np.mean(np.sum(p * np.abs(d), -1))
+    return kl, float(forward + reduction)
+
+
+def _close_to_kl64(got, model, params, qparams, toks):
+    want, tol = _kl64(model, params, qparams, toks)
+    assert got == pytest.approx(want, rel=0, abs=tol), (got, want, tol)
+
+
+def test_kl_from_logits_against_float64():
+    """The probe's float32 KL on given logits against float64, for KLs from 1e-11 to 1: the error is bounded by
+    the float32 summation of ``V`` terms of size ``p|d|`` (``(V + 8) * eps32 * E_p|d|``, see :func:`_kl64`)
+    plus a few ulps of the KL, far below the ``ulp(log V)`` of a difference of log-probabilities."""
+    from eqjax.sensitivity import kl_from_logits
+
+    rng = np.random.default_rng(1)
+    ref = rng.normal(0, 3, (64, 97)).astype(np.float32)
+    for scale in (1e-5, 1e-3, 1e-1, 1.0):
+        q = (ref + rng.normal(0, scale, ref.shape)).astype(np.float32)
+        a = ref.astype(np.float64)
+        b = q.astype(np.float64)
+        a = a - a.max(-1, keepdims=True)
+        a -= np.log(np.exp(a).sum(-1, keepdims=True))
+        b = b - b.max(-1, keepdims=True)
+        b -= np.log(np.exp(b).sum(-1, keepdims=True))
+        p = np.exp(a)
+        want = np.sum(p * (a - b), -1)
+        d = (q - ref).astype(np.float64)
+        d -= np.sum(p * d, -1, keepdims=True)
+        tol = (97 + 8) * EPS32 * np.sum(p * np.abs(d), -1) + 4 * EPS32 * want
+        got = np.asarray(kl_from_logits(jnp.asarray(ref), jnp.asarray(q)), np.float64)
+        assert np.all(np.abs(got - want) <= tol), (scale, np.max(np.abs(got - want) / tol))
 
 
 def test_embedding_is_one_more_knapsack_item(tiny):
@@ -205,7 +258,7 @@ def test_embedding_is_one_more_knapsack_item(tiny):
     for j, kind in ((1, "int8"), (2, "int4")):
         qp = quantize(params, Recipe(kind, (embedding_step(kind),)), model=model)
         assert L.nbytes[j] == tree_nbytes(qp) - tree_nbytes(params) + L.nbytes[0]
-        assert L.errors["kl"][j] == pytest.approx(_kl64(model, params, qp, cal), rel=2e-3, abs=1e-7)
+        _close_to_kl64(L.errors["kl"][j], model, params, qp, cal)
     # the budget counts the tables: linears at 3.5 bits on average with the table float, spent as found best
     linear_numel = sum(x.numel for x in res.layers if not x.is_embedding)
     fixed = tree_nbytes(params) - linear_numel * 4 - L.nbytes[0]
@@ -236,9 +289,10 @@ def test_a_16_bit_table_is_an_option_and_its_own_last_step(tiny):
     (L,) = [x for x in res.layers if x.is_embedding]
     assert [o.kind for o in L.options] == ["float", "f16", "bf16"]
     assert L.nbytes[1] == L.nbytes[2] == L.nbytes[0] // 2
-    for j, dtype in ((1, "float16"), (2, "bfloat16")):  # the probe's float32 KL is good to ~2e-8 absolute
+    for j, dtype in ((1, "float16"), (2, "bfloat16")):
         qp = quantize(params, Recipe(dtype, (HalfFloats(dtype, "embed/embedding"),)), model=model)
-        assert 0 < L.errors["kl"][j] == pytest.approx(_kl64(model, params, qp, cal), rel=2e-3, abs=3e-8)
+        assert L.errors["kl"][j] > 0
+        _close_to_kl64(L.errors["kl"][j], model, params, qp, cal)
     assert L.errors["kl"][1] < L.errors["kl"][2]  # float16 keeps 3 more mantissa bits
     assert res.choices[L.path] == "emb-f16"
     d = res.recipe_dict()

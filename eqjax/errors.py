@@ -135,7 +135,7 @@ def describe(exc: BaseException) -> str:
     """A one-line description of ``exc`` for the CLI (without the ``eqjax: error:`` prefix)."""
     kind = classify(exc)
     if kind == "interrupted":
-        return "interrupted (Ctrl-C)"
+        return "interrupted (Ctrl-C or SIGTERM)"
     if isinstance(exc, OSError) and not isinstance(exc, EqjaxError) and exc.filename is not None:
         what = exc.strerror or type(exc).__name__
         return one_line(f"{what} ({os.fsdecode(exc.filename)})")

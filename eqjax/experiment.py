@@ -8,14 +8,17 @@ more (bits, change vs FP, tokens/s, peak memory).
 :func:`run_recipes` appends each finished row to ``<out>/rows.jsonl`` (:class:`RowLog`: one fsync-ed
 JSON line per row, after a header line holding the protocol), so an interrupted ``eqjax run`` keeps
 its rows and ``eqjax run --resume`` continues where it stopped (refusing a log made under another
-protocol or by another definition of a recipe). The report files are written atomically.
+protocol, over another model or text content (:func:`content_fingerprints`), or by another definition
+of a recipe). The report files are written as one set: all or none replaced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import pathlib
 import time
 from typing import Any, Iterable
@@ -23,6 +26,7 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from eqjax.atomic import JsonLines, atomic_files, dumps_json, write_text
 from eqjax.data import (DataError, calibration_windows, encode_cached, load_text_file, news_tokens, token_windows,
                         wikipedia_tokens)
 from eqjax.errors import CompatibilityError, InputError
@@ -33,7 +37,8 @@ from eqjax.qarray import HalfFloat, QArray
 from eqjax.recipe import Recipe, quantize
 
 __all__ = ["Setup", "prepare", "evaluate_recipe", "run_recipes", "write_report", "DEFAULT_RUN_RECIPES",
-           "check_protocol_args", "RowLog", "ROWS_FILE", "recipe_fingerprint", "checked_quantize", "job_fingerprints"]
+           "check_protocol_args", "RowLog", "ROWS_FILE", "recipe_fingerprint", "checked_quantize", "job_fingerprints",
+           "content_fingerprints", "REPORT_FILES"]
 
 log = logging.getLogger("eqjax")
 
@@ -112,6 +117,7 @@ def prepare(
     seed: int = 0,
     evaluate: bool = True,
     also_eval: Iterable[str] = (),
+    encoding: str | None = None,
 ) -> Setup:
     """Load the model (default SmolLM2 GGUF) and the text (default Wikipedia split, or ``text_path``).
 
@@ -124,6 +130,7 @@ def prepare(
     ``evaluate=False`` (``eqjax quantize``) makes no evaluation windows; with no calibration either, the
     text is not read at all. ``also_eval``: names from :data:`EXTRA_TEXTS` whose first ``eval_tokens // ctx``
     windows are measured as well (the quantized model is the same: calibration stays on the main text).
+    ``encoding``: the codec of ``text_path`` (None: its byte-order mark's, else UTF-8; see ``load_text_file``).
     """
     from eqjax.io import load_model
 
@@ -133,7 +140,8 @@ def prepare(
     if unknown:
         raise InputError(f"bad --also-eval: expected one of {', '.join(EXTRA_TEXTS)}, found {', '.join(unknown)}")
     need_text = evaluate or calib_windows > 0
-    text = None if text_path is None or not need_text else load_text_file(text_path)  # fails before the model loads
+    # the text is read (and checked) before the model loads
+    text = None if text_path is None or not need_text else load_text_file(text_path, encoding)
     model, params, tok = load_model(model_path)
     msource = str(model_path) if model_path else "the default model"
     if tok is None:
@@ -155,7 +163,7 @@ def prepare(
         ids = encode_cached(tok, text)
         half = len(ids) // 2
         calib_ids, eval_ids = ids[:half], ids[half:]
-        text_desc = f"{text_path} (first half calibration, second half evaluation)"
+        text_desc = f"{text_path} (first half calibration, second half evaluation)" + (f", decoded as {encoding}" if encoding else "")
     check_token_ids(model, eval_ids, "tokens of the text", tok_src)
     check_token_ids(model, calib_ids, "tokens of the text", tok_src)
     n_eval = eval_tokens // ctx
@@ -237,10 +245,30 @@ def checked_quantize(params: Any, recipe: Recipe, *, model: Any = None, calibrat
     return quantize(params, recipe, model=model, calibration=calibration, seed=seed, progress=progress)
 
 
+def _sha256_files(files: list[pathlib.Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def content_fingerprints(model_path: str | os.PathLike[str] | None, text_path: str | os.PathLike[str] | None
+                         ) -> dict[str, str | None]:
+    """``{"model_sha256", "text_sha256"}``: SHA-256 of the model's content (a .gguf file, or an HF directory's
+    .safetensors/.json files) and of the text file (None for the built-in text); streamed, one read each."""
+    from eqjax.io.gguf import default_model_path
+
+    m = pathlib.Path(model_path) if model_path is not None else default_model_path()
+    files = sorted(f for f in m.iterdir() if f.is_file() and f.suffix in (".safetensors", ".json", ".gguf")) if m.is_dir() else [m]
+    return {"model_sha256": _sha256_files(files),
+            "text_sha256": None if text_path is None else _sha256_files([pathlib.Path(text_path)])}
+
+
 def recipe_fingerprint(recipe: Recipe) -> str:
     """A short hash of a recipe's full definition (steps with every setting, KV quantizer)."""
-    import hashlib
-
     return hashlib.sha256(repr((recipe.name, recipe.steps, recipe.kv)).encode()).hexdigest()[:16]
 
 
@@ -370,8 +398,6 @@ class RowLog:
     finished row ``{"row": ...}``, each appended and fsync-ed as soon as the row exists."""
 
     def __init__(self, out_dir: str | pathlib.Path) -> None:
-        from eqjax.atomic import JsonLines
-
         self.path = pathlib.Path(out_dir) / ROWS_FILE
         self._log = JsonLines(self.path)
 
@@ -380,8 +406,6 @@ class RowLog:
 
     def start(self, protocol: dict[str, Any]) -> None:
         """Begin a fresh log (an existing one is replaced atomically by the header)."""
-        from eqjax.atomic import dumps_json, write_text
-
         write_text(self.path, dumps_json({"eqjax_rows": _ROWS_FORMAT, "protocol": protocol}, indent=None) + "\n")
 
     def append(self, row: dict[str, Any]) -> None:
@@ -403,6 +427,11 @@ class RowLog:
             )
         old, new = _canonical(records[0].get("protocol")), _canonical(protocol)
         for k in sorted(set(old or {}) | set(new)):
+            if (old or {}).get(k) != new.get(k) and k.endswith("_sha256"):
+                what = k[: -len("_sha256")]
+                raise CompatibilityError(f"cannot resume: the {what}'s content changed since the log was written ({self.path}: "
+                                         f"protocol.{k}, {what} {new.get(what)}): expected {str(new.get(k))[:16]}... (this run), "
+                                         f"found {str((old or {}).get(k))[:16]}... (the log); use --overwrite to start again")
             if (old or {}).get(k) != new.get(k):
                 raise CompatibilityError(
                     f"cannot resume: the run's protocol differs ({self.path}: protocol.{k}): expected "
@@ -487,13 +516,13 @@ def markdown_table(rows: list[dict[str, Any]], protocol: dict[str, Any] | None =
     return out
 
 
-def _plot(rows: list[dict[str, Any]], setup: Setup, out: pathlib.Path, layer: str | None) -> list[pathlib.Path]:
+def _plot(rows: list[dict[str, Any]], setup: Setup, dest: dict[str, pathlib.Path], layer: str | None) -> list[str]:
+    """Draw the report plots into ``dest[name]`` (temporary paths); returns the names drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eqjax.atomic import atomic_path
     from eqjax.pytree import get_path
 
     paths = []
@@ -521,11 +550,9 @@ def _plot(rows: list[dict[str, Any]], setup: Setup, out: pathlib.Path, layer: st
             ax.axis("off")
         fig.suptitle(f"weight values of {layer} (grey: FP32)", fontsize=10)
         fig.tight_layout()
-        p = out / "weight_histograms.png"
-        with atomic_path(p) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")
+        fig.savefig(dest["weight_histograms.png"], dpi=110, format="png")
         plt.close(fig)
-        paths.append(p)
+        paths.append("weight_histograms.png")
     # 2. perplexity vs model size
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for r in rows:
@@ -537,11 +564,9 @@ def _plot(rows: list[dict[str, Any]], setup: Setup, out: pathlib.Path, layer: st
     ax.grid(alpha=0.3)
     ax.set_title("perplexity vs size")
     fig.tight_layout()
-    p = out / "ppl_vs_size.png"
-    with atomic_path(p) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
+    fig.savefig(dest["ppl_vs_size.png"], dpi=110, format="png")
     plt.close(fig)
-    paths.append(p)
+    paths.append("ppl_vs_size.png")
     return paths
 
 
@@ -551,25 +576,23 @@ REPORT_FILES = ("results.json", "results.md", "weight_histograms.png", "ppl_vs_s
 def write_report(rows: list[dict[str, Any]], setup: Setup, out_dir: str | pathlib.Path,
                  json_path: str | pathlib.Path | None = None, plot_layer: str = DEFAULT_PLOT_LAYER
                  ) -> dict[str, pathlib.Path]:
-    """Write ``results.json``, ``results.md`` and the two PNG plots into ``out_dir`` (each atomically:
-    temporary file, fsync, rename); ``json_path`` also gets the list of rows. Strict JSON: a NaN or
-    Inf anywhere is an error naming the key, never ``Infinity`` in the file."""
-    from eqjax.atomic import dumps_json, write_text
-
+    """Write ``results.json``, ``results.md`` and the two PNG plots into ``out_dir``, and the list of rows
+    to ``json_path``, as one set (:func:`~eqjax.atomic.atomic_files`): a failure part-way (a full disk)
+    leaves every previous file as it was. Strict JSON: a NaN or Inf anywhere is an error naming the key,
+    never ``Infinity`` in the file."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    payload = {"protocol": setup.protocol, "results": clean}
-    jp = out / "results.json"
-    body = dumps_json(payload, source=str(jp))
-    listing = dumps_json(clean, source=str(json_path)) if json_path is not None else None
-    write_text(jp, body + "\n")
+    texts = {out / "results.json": dumps_json({"protocol": setup.protocol, "results": clean},
+                                              source=str(out / "results.json")) + "\n",
+             out / "results.md": markdown_table(rows, setup.protocol)}
     if json_path is not None:
-        write_text(json_path, listing + "\n")
-    md = out / "results.md"
-    write_text(md, markdown_table(rows, setup.protocol))
-    files = {"json": jp, "markdown": md}
-    layer = plot_layer_for(setup.params, plot_layer)
-    for p in _plot(rows, setup, out, layer):
-        files[p.stem] = p
+        texts[pathlib.Path(json_path)] = dumps_json(clean, source=str(json_path)) + "\n"
+    plots = {name: out / name for name in REPORT_FILES if name.endswith(".png")}
+    with atomic_files([*texts, *plots.values()]) as tmp:
+        for path, text in texts.items():
+            tmp[path].write_bytes(text.encode("utf-8"))
+        drawn = _plot(rows, setup, {n: tmp[p] for n, p in plots.items()}, plot_layer_for(setup.params, plot_layer))
+    files = {"json": out / "results.json", "markdown": out / "results.md"}
+    files.update({pathlib.Path(n).stem: plots[n] for n in drawn})
     return files

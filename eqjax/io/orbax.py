@@ -22,9 +22,12 @@ returns on every process once the checkpoint exists. A process that dies mid-sav
 temporary directory (the watchdog ends the others). Loading restores every array replicated on
 the current mesh, so a checkpoint saved by N processes loads on 1 and vice versa.
 
-Loading checks the manifest, every data file's size and checksum (a truncated or altered file is named),
-the finiteness of every restored parameter, and, given ``model=``, that the checkpoint was made for
-that model (config fingerprint and every parameter's shape), naming the parameter and both shapes.
+Orbax writes from background threads; the save waits for them with their logging and tracebacks kept
+off the terminal, so an interrupted save (SIGINT/SIGTERM) or a full disk ends as one error line.
+
+Loading checks the manifest and its file table (required), every data file's size and checksum (a
+truncated, altered or unlisted file is named), the finiteness of every restored parameter, and, given
+``model=``, that it was made for that model (config fingerprint, every parameter's shape).
 
 Packed codes are stored as the uint8 arrays the QArray holds (tensorstore has no uint4), so the
 bytes on disk equal ``tree_nbytes``. Restoring rebuilds the same pytree (QArray / ActQuantKernel /
@@ -35,23 +38,31 @@ accepted for a tied model. Nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import pathlib
-from typing import Any
+import re
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.errors import CompatibilityError
+from eqjax.atomic import deferred_interrupts
+from eqjax.errors import CompatibilityError, InputError, RuntimeFailure
 from eqjax.io.hf import CheckpointError
 from eqjax.linear import ActQuantKernel
 from eqjax.pytree import flatten
 from eqjax.qarray import Granularity, HalfFloat, QArray, QArrayError, RotatedKernel, validate, validate_half
 
 __all__ = ["save_quantized", "load_quantized", "read_manifest", "FORMAT_VERSION", "model_fingerprint", "check_compatible",
-           "recipe_kv", "is_partial_checkpoint"]
+           "recipe_kv", "is_partial_checkpoint", "CHECKPOINT_ENTRIES"]
 
 FORMAT_VERSION = 2
 _MANIFEST = "eqjax.json"
@@ -200,6 +211,105 @@ def _file_table(root: pathlib.Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+CHECKPOINT_ENTRIES = ("arrays", _MANIFEST)  # a checkpoint's entries besides its marker: only these may be replaced
+
+
+def _check_params_arg(params: Any) -> None:
+    """InputError naming the ``params`` argument unless it is a (nested) dict of arrays."""
+    if isinstance(params, Mapping):
+        for path, leaf in flatten(params, leaf_type=_is_saved_leaf):
+            if not (_is_saved_leaf(leaf) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))):
+                raise InputError(f"cannot save these params (save_quantized: params {path}): expected an array, "
+                                 f"found {type(leaf).__name__}")
+        return
+    kind, hint = type(params).__name__, ""
+    if isinstance(getattr(params, "params", None), Mapping):
+        hint = f" (pass its .params: save_quantized(directory, {kind.lower()}.params))"
+    elif isinstance(params, tuple) and len(params) == 2 and isinstance(params[1], Mapping):  # quantize_model's pair
+        hint = " (pass the qparams of quantize_model's (model, qparams))"
+    raise InputError(f"cannot save these params (save_quantized: params): expected a nested dict of arrays, found "
+                     f"{kind}{hint}")
+
+
+@contextlib.contextmanager
+def _orbax_quiet() -> Iterator[None]:
+    """Keep Orbax's background-thread logging (absl) and uncaught thread tracebacks off the terminal."""
+    quiet = lambda record: False  # noqa: E731 - a logging filter that drops every record
+    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "asyncio")]
+    for lg in loggers:
+        lg.addFilter(quiet)
+    hooks = threading.excepthook, sys.excepthook, sys.unraisablehook
+    threading.excepthook = sys.excepthook = sys.unraisablehook = lambda *a: None
+    try:
+        yield
+    finally:
+        threading.excepthook, sys.excepthook, sys.unraisablehook = hooks
+        for lg in loggers:
+            lg.removeFilter(quiet)
+
+
+def _from_orbax(exc: BaseException | None) -> bool:
+    """``exc`` is an aborted Orbax write's leftover: raised in Orbax's code, or a callback on its closed loop."""
+    tb = getattr(exc, "__traceback__", None)
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return True
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _quiet_leftovers() -> None:
+    """After a failed or interrupted save, Orbax's and tensorstore's writes still in flight fail later (when
+    the process exits): keep their logging and tracebacks off the terminal from now on (installed once)."""
+    if _LEFTOVERS_QUIET:
+        return
+    _LEFTOVERS_QUIET.append(True)
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(
+            lambda r: not (f"{os.sep}orbax{os.sep}" in r.pathname or _from_orbax((r.exc_info or (None, None))[1])
+                           or "Task exception was never retrieved" in str(r.msg)))
+    hook, thook, uhook = sys.excepthook, threading.excepthook, sys.unraisablehook
+    sys.excepthook = lambda t, v, tb: None if _from_orbax(v) else hook(t, v, tb)
+    threading.excepthook = lambda a: None if _from_orbax(a.exc_value) else thook(a)
+    sys.unraisablehook = lambda u: None if _from_orbax(u.exc_value) else uhook(u)
+
+
+_LEFTOVERS_QUIET: list[bool] = []
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _save_failure(e: BaseException, root: pathlib.Path) -> Exception:
+    """One-line error for a failed Orbax write: a full disk or file-size limit named as such."""
+    m = _OS_ERROR_CODE.search(str(e))
+    code = int(m.group(1)) if m else getattr(e, "errno", None)
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return RuntimeFailure(f"cannot write the checkpoint ({root}): expected room for its arrays, found {os.strerror(code)} "
+                              "(a full disk or a file-size limit); the previous checkpoint, if any, is unchanged")
+    return RuntimeFailure(f"cannot write the checkpoint arrays ({root}): {type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0][:200]}")
+
+
+def _write_arrays(ocp: Any, path: pathlib.Path, arrays: dict[str, Any], root: pathlib.Path) -> None:
+    """Orbax-save ``arrays`` to ``path`` and wait for its threads, quietly; on any failure or interrupt the
+    threads are waited for before the error propagates (nothing writes into a directory being removed)."""
+    try:
+        with deferred_interrupts(), _orbax_quiet():
+            ck = ocp.StandardCheckpointer()
+            try:
+                ck.save(path, arrays)
+                ck.wait_until_finished()
+            finally:
+                with contextlib.suppress(BaseException):
+                    ck.close()  # waits for any thread still writing
+    except BaseException as e:
+        _quiet_leftovers()
+        if not isinstance(e, Exception) or isinstance(e, (InputError, RuntimeFailure)):
+            raise
+        raise _save_failure(e, root) from None
+
+
 def save_quantized(
     directory: str | os.PathLike[str], params: Any, *, recipe: Any = "", model_config: dict | None = None,
     model: Any = None, overwrite: bool = False,
@@ -218,7 +328,8 @@ def save_quantized(
     from eqjax.schema import check_params
 
     root = pathlib.Path(directory).absolute()
-    check_output_dir(root, overwrite=overwrite, what="checkpoint directory")
+    _check_params_arg(params)
+    check_output_dir(root, overwrite=overwrite, what="checkpoint directory", replaceable=CHECKPOINT_ENTRIES)
     check_params(params, f"params to save into {root}", allow_int=True)
     arrays: dict[str, Any] = {}
     leaves: dict[str, Any] = {}
@@ -248,10 +359,8 @@ def save_quantized(
     import jax
 
     if jax.process_count() == 1:
-        with atomic_directory(root, overwrite=overwrite) as tmp:
-            ck = ocp.StandardCheckpointer()
-            ck.save(tmp / "arrays", arrays)
-            ck.wait_until_finished()
+        with atomic_directory(root, overwrite=overwrite, kind="checkpoint") as tmp:
+            _write_arrays(ocp, tmp / "arrays", arrays, root)
             (tmp / _MANIFEST).write_text(json.dumps(manifest(tmp / "arrays"), indent=1, allow_nan=False))
         return root
     _save_together(root, _global(arrays), manifest, overwrite)
@@ -283,13 +392,11 @@ def _save_together(root: pathlib.Path, arrays: dict[str, Any], manifest: Any, ov
     set_stage(f"saving {root}")
 
     def write(tmp: pathlib.Path) -> None:
-        ck = ocp.StandardCheckpointer()
-        ck.save(tmp / "arrays", arrays)
-        ck.wait_until_finished()
+        _write_arrays(ocp, tmp / "arrays", arrays, root)
         barrier("orbax-arrays-written")
 
     if is_main_process():
-        with atomic_directory(root, overwrite=overwrite) as tmp:
+        with atomic_directory(root, overwrite=overwrite, kind="checkpoint") as tmp:
             broadcast_str("orbax-tmp", str(tmp))
             write(tmp)
             (tmp / _MANIFEST).write_text(json.dumps(manifest(tmp / "arrays"), indent=1, allow_nan=False))
@@ -320,8 +427,26 @@ def is_partial_checkpoint(directory: str | os.PathLike[str]) -> bool:
     return ".tmp-" in root.name or (root.is_dir() and (root / "arrays").exists() and not (root / _MANIFEST).is_file())
 
 
-def _verify_files(root: pathlib.Path, table: dict[str, Any]) -> None:
+def _verify_files(root: pathlib.Path, table: Any) -> None:
+    """Every data file under ``arrays/`` is in the manifest's file table, with its size and SHA-256."""
+    mpath = root / _MANIFEST
+    if not isinstance(table, dict) or not table:
+        raise CheckpointError(
+            f"checkpoint without a file table ({mpath}: files): expected the size and SHA-256 of every data file, "
+            f"found {'none' if table is None else type(table).__name__ if not isinstance(table, dict) else 'an empty table'}"
+            " (re-save it with eqjax quantize)"
+        )
+    for rel, meta in table.items():
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)):
+            raise CheckpointError(f"corrupt checkpoint manifest ({mpath}: files[{rel!r}]): expected bytes and sha256, "
+                                  f"found {meta!r}"[:300])
     arrays = root / "arrays"
+    listed = set(table)
+    extra = sorted(q.relative_to(arrays).as_posix() for q in arrays.rglob("*")
+                   if q.is_file() and q.relative_to(arrays).as_posix() not in listed) if arrays.is_dir() else []
+    if extra:
+        raise CheckpointError(f"checkpoint data file not in its manifest ({arrays / extra[0]}): expected only the "
+                              f"{len(table)} files listed in {_MANIFEST}, found {len(extra)} more")
     for rel, meta in table.items():
         p = arrays / rel
         if not p.is_file():
@@ -436,7 +561,8 @@ def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, veri
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(params, manifest)`` from :func:`save_quantized`; the manifest holds the recipe and config.
 
-    ``verify`` checks every data file's size and SHA-256 against the manifest before restoring; with
+    ``verify`` checks every data file's size and SHA-256 against the manifest's file table before
+    restoring (a manifest without one is refused: a format-1 checkpoint loads only with ``verify=False``); with
     ``model`` the checkpoint must have been made for that model (see :func:`check_compatible`).
     Every problem is a :class:`~eqjax.io.hf.CheckpointError` (or CompatibilityError) naming the file.
     """
@@ -448,8 +574,8 @@ def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, veri
     manifest = read_manifest(root)
     if model is not None:
         check_compatible(manifest, model, source=str(root))
-    if verify and isinstance(manifest.get("files"), dict):
-        _verify_files(root, manifest["files"])
+    if verify:  # a manifest without its file table is refused, never loaded unchecked
+        _verify_files(root, manifest.get("files"))
     try:
         arrays = _restore(ocp, root / "arrays")
     except Exception as e:  # noqa: BLE001 - tensorstore/orbax raise many types on damaged data

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.errors import CompatibilityError, NonFiniteError, OutputError
+from eqjax.errors import CompatibilityError, InputError, NonFiniteError, OutputError
 from eqjax.io.hf import CheckpointError
 from eqjax.io.orbax import is_partial_checkpoint, load_quantized, model_fingerprint, recipe_kv, save_quantized
 from eqjax.models import LlamaConfig, Model
@@ -159,3 +159,70 @@ def test_half_floats_round_trip(tmp_path):
     (tmp_path / "ck" / "eqjax.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"final_norm/scale.*wider than float16"):
         load_quantized(tmp_path / "ck", verify=False)
+
+
+def test_a_manifest_without_its_file_table_is_refused(tmp_path):
+    """Stripping the file table (or one file's entry) cannot turn verification off."""
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
+    mpath = tmp_path / "ck" / "eqjax.json"
+    m = json.loads(mpath.read_text())
+    one = next(iter(m["files"]))
+    mpath.write_text(json.dumps({**m, "files": {k: v for k, v in m["files"].items() if k != one}}))
+    with pytest.raises(CheckpointError, match=r"not in its manifest"):
+        load_quantized(tmp_path / "ck")
+    mpath.write_text(json.dumps({k: v for k, v in m.items() if k != "files"}))
+    with pytest.raises(CheckpointError, match=r"without a file table \(.*eqjax\.json: files\)"):
+        load_quantized(tmp_path / "ck")
+    load_quantized(tmp_path / "ck", verify=False)  # asked for explicitly
+
+
+def test_save_refuses_what_is_not_params(tmp_path):
+    class Holder:  # what quantize_model returns for an NNX module: a model with .params
+        params = {"a": jnp.ones(2)}
+
+    with pytest.raises(InputError, match=r"save_quantized: params\): expected a nested dict.*Holder.*\.params"):
+        save_quantized(tmp_path / "ck", Holder())
+    with pytest.raises(InputError, match=r"params a/b\): expected an array, found str"):
+        save_quantized(tmp_path / "ck", {"a": {"b": "x"}})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_save_marks_the_checkpoint_and_never_replaces_a_user_directory(tmp_path):
+    from eqjax.atomic import artifact_kind
+
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
+    assert artifact_kind(tmp_path / "ck") == "checkpoint"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(OutputError, match=r"cannot replace.*'notes\.txt'"):
+        save_quantized(tmp_path / "mine", params, overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_old_checkpoint(tmp_path):
+    """A file-size limit (SIGXFSZ ignored, so writes fail with EFBIG) mid-save: one RuntimeFailure, no traceback
+    on stderr from Orbax's threads, and the previous checkpoint loads."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    model, params = _tiny()
+    save_quantized(tmp_path / "ck", params, recipe="fp", model=model)
+    code = ("import sys, jax.numpy as jnp, numpy as np\nfrom eqjax.io.orbax import save_quantized\n"
+            "try:\n    save_quantized(sys.argv[1], {'a': jnp.asarray(np.random.rand(300, 1000), jnp.float32)}, overwrite=True)\n"
+            "except Exception as e:\n    print(f'{type(e).__name__}: {e}', file=sys.stderr)\n")
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
+
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True, text=True,
+                       preexec_fn=limit, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert "Traceback" not in r.stderr and "ERROR:absl" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "RuntimeFailure" in r.stderr
+    assert "File too large" in r.stderr
+    _, m = load_quantized(tmp_path / "ck", model=model)
+    assert m["recipe"] == "fp" and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -8,8 +8,9 @@ import os
 import pytest
 
 from eqjax.atomic import (
-    JsonLines, atomic_directory, atomic_file, atomic_path, check_output_dir, check_output_file, stale_temps,
-    write_bytes, write_json, write_report, write_text,
+    MARKER, JsonLines, artifact_kind, atomic_directory, atomic_file, atomic_files, atomic_path, check_not_input,
+    check_output_dir, check_output_file, output_lock, stale_temps, write_bytes, write_json, write_marker, write_report,
+    write_text,
 )
 from eqjax.errors import (
     CompatibilityError, EqjaxError, InputError, NonFiniteResult, OutputError, RuntimeFailure, classify, describe,
@@ -59,7 +60,7 @@ def test_stale_temporaries_are_detected_and_cleaned(tmp_path):
     dead = tmp_path / ".x.bin.tmp-999999999-abcd"  # no such pid
     dead.write_bytes(b"partial")
     alive = tmp_path / f".x.bin.tmp-{os.getpid()}-abcd"
-    alive.write_bytes(b"in progress")
+    alive.write_bytes(b"being written")
     assert stale_temps(p) == [dead]
     write_bytes(p, b"ok")
     assert not dead.exists() and alive.exists()
@@ -89,15 +90,20 @@ def test_check_output_dir(tmp_path):
     (tmp_path / "full" / "f").write_text("x")
     with pytest.raises(OutputError, match="not empty"):
         check_output_dir(tmp_path / "full")
-    check_output_dir(tmp_path / "full", overwrite=True)
+    with pytest.raises(OutputError, match=r"cannot replace.*eqjax wrote.*found other files \('f'\)"):
+        check_output_dir(tmp_path / "full", overwrite=True)  # a user's directory: never replaced
+    check_output_dir(tmp_path / "full", overwrite=True, replaceable=["f"])  # only entries a new one replaces
     check_output_dir(tmp_path / "full", allow_nonempty=True)
+    write_marker(tmp_path / "full", "run")
+    assert artifact_kind(tmp_path / "full") == "run"
+    check_output_dir(tmp_path / "full", overwrite=True)  # eqjax's own: may be replaced
     with pytest.raises(OutputError, match="found a file"):
         check_output_dir(tmp_path / "full" / "f")
 
 
 def test_atomic_directory(tmp_path):
     d = tmp_path / "ck"
-    with atomic_directory(d) as tmp:
+    with atomic_directory(d, kind="checkpoint") as tmp:
         (tmp / "a").write_text("1")
     assert (d / "a").read_text() == "1"
     with pytest.raises(OutputError, match="not empty"):
@@ -108,9 +114,91 @@ def test_atomic_directory(tmp_path):
             (tmp / "a").write_text("2")
             raise ValueError("boom")
     assert (d / "a").read_text() == "1" and sorted(x.name for x in tmp_path.iterdir()) == ["ck"]
-    with atomic_directory(d, overwrite=True) as tmp:
+    with atomic_directory(d, overwrite=True, kind="checkpoint") as tmp:
         (tmp / "b").write_text("2")
-    assert sorted(x.name for x in d.iterdir()) == ["b"] and sorted(x.name for x in tmp_path.iterdir()) == ["ck"]
+    assert sorted(x.name for x in d.iterdir()) == [MARKER, "b"] and sorted(x.name for x in tmp_path.iterdir()) == ["ck"]
+    assert artifact_kind(d) == "checkpoint"
+
+
+def test_atomic_directory_replaces_only_what_eqjax_wrote(tmp_path):
+    """A user's directory is never replaced: one without a marker or manifest is replaced only when the new
+    directory holds every one of its entries (so nothing else is lost); a symlink is never replaced."""
+    user = tmp_path / "proj"
+    (user / "model").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match=r"cannot replace.*proj.*'model', 'notes\.txt'"):
+        with atomic_directory(user, overwrite=True) as tmp:
+            (tmp / "model.onnx").write_text("new")
+    assert (user / "notes.txt").read_text() == "mine" and (user / "model").is_dir()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["proj"]  # no temporary, no lock file left
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "model.onnx").write_text("old")
+    with atomic_directory(pkg, overwrite=True) as tmp:  # same names only: --overwrite replaces them
+        (tmp / "model.onnx").write_text("new")
+    assert (pkg / "model.onnx").read_text() == "new"
+    link = tmp_path / "link"
+    link.symlink_to(user)
+    with pytest.raises(OutputError, match="symbolic link"):
+        with atomic_directory(link, overwrite=True):
+            pass
+    assert (user / "notes.txt").read_text() == "mine"
+    with pytest.raises(OutputError, match="symbolic link"):
+        check_output_dir(link, overwrite=True)
+
+
+def test_outputs_apart_from_inputs(tmp_path):
+    model = tmp_path / "proj" / "model"
+    model.mkdir(parents=True)
+    for out, word in ((tmp_path / "proj", "holds"), (model, "is the input"), (model / "sub", "lies inside")):
+        with pytest.raises(OutputError, match=word):
+            check_output_dir(out, overwrite=True, inputs=[str(model)])
+    check_output_dir(tmp_path / "proj", allow_nonempty=True, inputs=[str(model)])  # files beside the model: fine
+    check_output_dir(tmp_path / "elsewhere", overwrite=True, inputs=[str(model), None])
+    with pytest.raises(OutputError, match=r"--json file lies inside the input"):
+        check_not_input(model / "r.json", [str(model)], what="--json file")
+    (tmp_path / "alias").symlink_to(model)
+    with pytest.raises(OutputError, match="is the input"):
+        check_output_dir(tmp_path / "alias", inputs=[str(model)])
+
+
+def test_output_lock_refuses_a_second_process_and_not_a_dead_one(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    code = ("import sys, time\nfrom eqjax.atomic import output_lock\nwith output_lock(sys.argv[1]):\n"
+            "    print('locked', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputError, match=rf"in use by another eqjax process \({out}\).*pid {p.pid}"):
+            with output_lock(out):
+                pass
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    with output_lock(out) as lp:  # the dead holder's lock is gone with it
+        with output_lock(out):  # re-entrant within a process
+            assert lp.is_file()
+    assert not lp.exists()
+
+
+def test_atomic_files_replace_a_set_or_nothing(tmp_path):
+    a, b, c = tmp_path / "a.json", tmp_path / "b.md", tmp_path / "c.png"
+    for p in (a, b, c):
+        p.write_text("old")
+    with pytest.raises(OSError):
+        with atomic_files([a, b, c]) as tmp:
+            tmp[a].write_text("new")
+            raise OSError(27, "File too large")  # the second file fails: nothing is replaced
+    assert [p.read_text() for p in (a, b, c)] == ["old"] * 3
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.json", "b.md", "c.png"]
+    with atomic_files([a, b, c]) as tmp:
+        tmp[a].write_text("new")
+        tmp[b].write_text("new")  # c is not in the new set: removed
+    assert [a.read_text(), b.read_text(), c.exists()] == ["new", "new", False]
 
 
 def test_json_lines_survive_a_torn_line(tmp_path):

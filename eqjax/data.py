@@ -20,15 +20,22 @@ Token ids are cached as ``.npy`` files (``np.save``/``np.load`` with ``allow_pic
 ``$EQJAX_CACHE`` or ``~/.cache/eqjax``, content-addressed: the name holds the SHA-256 of the text and
 of the tokenizer's fingerprint (itself a hash of the tokenizer's content: the GGUF vocabulary and
 merges, or the bytes of ``tokenizer.json``), so a changed text or tokenizer never hits a stale entry.
-Cache files are written atomically (temporary file, fsync, rename).
+Each file ends with the SHA-256 of its array (checked on load: a damaged entry is rebuilt with a
+warning) and is written atomically (temporary file, fsync, rename).
+
+User texts (:func:`load_text_file`) are decoded as their byte-order mark declares or as UTF-8 (or as a
+given ``encoding``) and refused, naming the file, when they are not text (NUL or many control characters).
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import importlib.util
+import io
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +58,7 @@ __all__ = [
     "split_documents",
     "split_wikipedia",
     "load_text_file",
+    "check_encoding",
     "cache_dir",
     "encode_cached",
     "cache_path",
@@ -151,8 +159,70 @@ def split_wikipedia(articles: Sequence[str] | None = None) -> tuple[list[str], l
     return split_documents(wikipedia_articles() if articles is None else articles)
 
 
-def load_text_file(path: str | os.PathLike[str]) -> str:
-    """A user's UTF-8 plain-text file (BOM dropped, CRLF -> LF). DataError if missing, empty or not UTF-8."""
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # UTF-32 LE before UTF-16 LE: same start
+_CONTROL_RE = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")  # C0 but \t \n \v \f \r; DEL; C1
+MAX_CONTROL_SHARE = 0.05  # a larger share of other control characters is not text
+
+
+def check_encoding(encoding: str, where: str = "--encoding") -> str:
+    """The normalized name of a text codec (``utf-16-le``, ``latin-1``, ...), or DataError naming ``where``."""
+    try:
+        info = codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise DataError(f"unknown text encoding ({where}): expected a Python codec name such as utf-8, utf-16-le "
+                        f"or latin-1, found {encoding!r}") from None
+    if not getattr(info, "_is_text_encoding", True):
+        raise DataError(f"not a text encoding ({where}): expected a codec that decodes bytes to text, found {encoding!r}")
+    return info.name
+
+
+def _detect(raw: bytes) -> str:
+    """The encoding a byte-order mark declares, else ``utf-8``."""
+    return next((enc for bom, enc in _BOMS if raw.startswith(bom)), "utf-8")
+
+
+def _decode(p: Path, raw: bytes, encoding: str | None) -> str:
+    """``raw`` decoded as ``encoding`` (None: as its byte-order mark declares, else UTF-8), BOM dropped."""
+    enc = _detect(raw) if encoding is None else check_encoding(encoding)
+    if enc == "utf-8" and b"\0" in raw:  # UTF-16/32 text without a BOM reads as UTF-8 with NUL bytes
+        _refuse_nul(p, raw.index(b"\0"), "byte", "UTF-8" if encoding is None else enc)
+    try:
+        text = raw.decode("utf-8-sig" if enc == "utf-8" else enc)
+    except UnicodeDecodeError as e:
+        what = "not UTF-8 text" if enc == "utf-8" else f"not {enc} text"
+        hint = "convert it to UTF-8 first" if encoding is None else "check --encoding"
+        raise DataError(f"{p}: {what} (byte 0x{raw[e.start]:02x} at offset {e.start}: {e.reason}); {hint}") from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def _refuse_nul(p: Path, at: int, unit: str, how: str) -> None:
+    raise DataError(
+        f"not text ({p}): expected {how} text, found a NUL {unit} at offset {at} "
+        "(UTF-16 or UTF-32 without a byte-order mark? pass --encoding, e.g. --encoding utf-16-le)"
+    )
+
+
+def _check_is_text(p: Path, text: str, encoding: str | None) -> None:
+    """DataError unless ``text`` reads as text: no NUL characters and at most :data:`MAX_CONTROL_SHARE` of
+    control characters (C0 but tab, newlines, vertical tab and form feed; DEL; C1)."""
+    how = f"{encoding}" if encoding else "UTF-8"
+    if "\0" in text:
+        _refuse_nul(p, text.index("\0"), "character", how)
+    controls = len(_CONTROL_RE.findall(text))
+    if controls > MAX_CONTROL_SHARE * len(text):
+        raise DataError(
+            f"not text ({p}): expected {how} text, found {controls} control characters in {len(text)} "
+            f"(more than {MAX_CONTROL_SHARE:.0%}; a binary file?)"
+        )
+
+
+def load_text_file(path: str | os.PathLike[str], encoding: str | None = None) -> str:
+    """A user's plain-text file, CRLF -> LF. ``encoding``: a codec name; None decodes as the file's
+    byte-order mark declares (UTF-8, UTF-16, UTF-32), else as UTF-8. The BOM is dropped.
+
+    DataError naming the file if it is missing, not a regular file, empty, not decodable, or not text
+    (a NUL character, or a high share of control characters: see :func:`_check_is_text`)."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file")
@@ -162,15 +232,10 @@ def load_text_file(path: str | os.PathLike[str]) -> str:
         raw = p.read_bytes()
     except OSError as e:
         raise DataError(f"{p}: cannot read the file: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}: {e.reason}); "
-            "convert it to UTF-8 first"
-        ) from None
+    text = _decode(p, raw, encoding)
     if not text.strip():
-        raise DataError(f"{p}: the file is empty" + (" (only whitespace)" if raw else ""))
+        raise DataError(f"{p}: the file is empty" + (" (only whitespace)" if text else ""))
+    _check_is_text(p, text, None if encoding is None else check_encoding(encoding))
     return text.replace("\r\n", "\n")
 
 
@@ -188,36 +253,62 @@ def _tokenizer_key(tokenizer: Any) -> str | None:
 
 def cache_path(tokenizer: Any, text: str) -> Path | None:
     """The cache file of ``text`` under ``tokenizer`` (None for tokenizers without a fingerprint):
-    ``<cache_dir>/tokens-v2-<sha256(text)[:32]>-<sha256(fingerprint)[:32]>.npy``."""
+    ``<cache_dir>/tokens-v3-<sha256(text)[:32]>-<sha256(fingerprint)[:32]>.npy``."""
     key = _tokenizer_key(tokenizer)
     if key is None:
         return None
     text_digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     tok_digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
-    return cache_dir() / f"tokens-v2-{text_digest}-{tok_digest}.npy"
+    return cache_dir() / f"tokens-v3-{text_digest}-{tok_digest}.npy"
+
+
+_SEAL = b"EQJAXSHA256"  # cache file = .npy bytes + _SEAL + SHA-256 of the .npy bytes
+
+
+def seal_tokens(ids: np.ndarray) -> bytes:
+    """The bytes of a token cache file: ``ids`` in ``.npy`` format, then :data:`_SEAL` and the SHA-256 of
+    those ``.npy`` bytes (``np.load`` reads the array and ignores the trailer)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(ids, dtype=np.int32), allow_pickle=False)
+    body = buf.getvalue()
+    return body + _SEAL + hashlib.sha256(body).digest()
+
+
+def unseal_tokens(blob: bytes) -> np.ndarray | None:
+    """The int32 [n] ids of a token cache file, or None when it is cut, altered or not one (hash mismatch)."""
+    cut = len(blob) - len(_SEAL) - 32
+    if cut < 0 or blob[cut : cut + len(_SEAL)] != _SEAL or hashlib.sha256(blob[:cut]).digest() != blob[-32:]:
+        return None
+    try:
+        ids = np.load(io.BytesIO(blob[:cut]), allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return ids if ids.ndim == 1 and ids.dtype == np.int32 else None
 
 
 def encode_cached(tokenizer: _Encoder, text: str, *, cache: bool = True) -> np.ndarray:
     """Token ids of ``text`` (no BOS) as int32 [n], cached on disk (content-addressed, see the module docs).
 
-    Tokenizers without a ``fingerprint`` attribute are never cached. A corrupt or unreadable cache file
-    is recomputed and rewritten; a cache that cannot be written only warns.
+    Tokenizers without a ``fingerprint`` attribute are never cached. Each cache file carries the SHA-256
+    of its content (:func:`seal_tokens`): a cut, altered or unreadable one is discarded with a warning,
+    recomputed and rewritten; a cache that cannot be written only warns.
     """
     from eqjax.atomic import atomic_file  # noqa: PLC0415
 
     path = cache_path(tokenizer, text) if cache else None
     if path is not None and path.is_file():
         try:
-            ids = np.load(path, allow_pickle=False)
-            if ids.ndim == 1 and ids.dtype == np.int32:
-                return ids
-        except (OSError, ValueError, EOFError):
-            pass
+            ids = unseal_tokens(path.read_bytes())
+        except OSError:
+            ids = None
+        if ids is not None:
+            return ids
+        warnings.warn(f"token cache {path} is damaged (its SHA-256 does not match); rebuilding it", stacklevel=2)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32).reshape(-1)
     if path is not None:
         try:
             with atomic_file(path, "wb") as f:
-                np.save(f, ids, allow_pickle=False)
+                f.write(seal_tokens(ids))
             os.chmod(path, 0o644)
         except (OSError, InputError) as e:
             warnings.warn(f"could not write the token cache {path}: {e}", stacklevel=2)

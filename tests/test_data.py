@@ -148,8 +148,9 @@ def test_encode_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert tok.calls == 1 and again.tolist() == ids.tolist()
     data.encode_cached(tok, "other text")
     assert tok.calls == 2 and len(list((tmp_path / "cache").glob("tokens-*.npy"))) == 2
-    files[0].write_bytes(b"garbage")  # a corrupt entry is recomputed and rewritten
-    assert data.encode_cached(tok, "héllo").tolist() == ids.tolist() and tok.calls == 3
+    files[0].write_bytes(b"garbage")  # a corrupt entry is recomputed and rewritten, with a warning
+    with pytest.warns(UserWarning, match="token cache .* is damaged"):
+        assert data.encode_cached(tok, "héllo").tolist() == ids.tolist() and tok.calls == 3
     assert np.load(files[0], allow_pickle=False).tolist() == ids.tolist()
     data.encode_cached(tok, "héllo", cache=False)
     assert tok.calls == 4

@@ -173,15 +173,35 @@ def config_from_metadata(meta: dict[str, Any], *, source: str = "GGUF metadata",
             raise GGUFError(f"{source}: missing metadata key 'llama.{key}'")
         return meta[f"llama.{key}"]
 
+    def size(key: str, default: Any = None) -> int:
+        v = need(key) if default is None else meta.get(f"llama.{key}", default)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise GGUFError(f"bad GGUF metadata ({source}: llama.{key}): expected an integer >= 1, found {v!r}")
+        return int(v)
+
+    def positive(key: str, default: float, *, strict: bool) -> float:
+        v = meta.get(f"llama.{key}", default)
+        ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and np.isfinite(v)
+        if not ok or (v <= 0 if strict else v < 0):
+            bound = "> 0" if strict else ">= 0"
+            raise GGUFError(f"bad GGUF metadata ({source}: llama.{key}): expected a finite number {bound}, found {v!r}")
+        return float(v)
+
     if int(meta.get("llama.expert_count", 0) or 0) > 0:
         raise GGUFError(f"{source}: mixture-of-experts llama models are not supported")
-    hidden = int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    n_kv = int(meta.get("llama.attention.head_count_kv") or n_heads)
-    head_dim = int(meta.get("llama.attention.key_length") or hidden // n_heads)
-    if int(meta.get("llama.attention.value_length") or head_dim) != head_dim:
+    hidden = size("embedding_length")
+    n_heads = size("attention.head_count")
+    n_kv = size("attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise GGUFError(f"bad GGUF metadata ({source}: llama.attention.head_count_kv): expected a divisor of "
+                        f"llama.attention.head_count {n_heads}, found {n_kv}")
+    if "llama.attention.key_length" not in meta and hidden % n_heads:
+        raise GGUFError(f"bad GGUF metadata ({source}: llama.attention.head_count): expected a divisor of "
+                        f"llama.embedding_length {hidden} (or a llama.attention.key_length), found {n_heads}")
+    head_dim = size("attention.key_length", hidden // n_heads)
+    if size("attention.value_length", head_dim) != head_dim:
         raise GGUFError(f"{source}: key and value head sizes differ; not supported")
-    rot = int(meta.get("llama.rope.dimension_count") or head_dim)
+    rot = size("rope.dimension_count", head_dim)
     if rot != head_dim:
         raise GGUFError(f"{source}: partial RoPE ({rot} of {head_dim} dims) is not supported")
     vocab = meta.get("llama.vocab_size")
@@ -195,21 +215,22 @@ def config_from_metadata(meta: dict[str, Any], *, source: str = "GGUF metadata",
     if kind not in (None, "none"):
         if kind != "linear":
             raise GGUFError(f"{source}: RoPE scaling {kind!r} is not supported (only 'linear')")
-        scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        need("rope.scaling.factor")
+        scaling = {"rope_type": "linear", "factor": positive("rope.scaling.factor", 1.0, strict=True)}
     try:
         return LlamaConfig(
-            vocab=int(vocab),
+            vocab=int(vocab) if "llama.vocab_size" not in meta else size("vocab_size"),
             hidden=hidden,
-            intermediate=int(need("feed_forward_length")),
-            n_layers=int(need("block_count")),
+            intermediate=size("feed_forward_length"),
+            n_layers=size("block_count"),
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            rope_theta=positive("rope.freq_base", 10000.0, strict=True),
             rope_scaling=scaling,
-            rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_norm_eps=positive("attention.layer_norm_rms_epsilon", 1e-5, strict=False),
             tie_word_embeddings=True,  # set by load_gguf from the presence of output.weight
-            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+            max_position_embeddings=size("context_length", 2048),
             model_type="llama",
         )
     except ConfigError as e:
@@ -275,7 +296,7 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
     n_vocab = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
     try:
         cfg = config_from_metadata(meta, source=src, n_vocab=n_vocab)
-    except (TypeError, ValueError, OverflowError) as e:
+    except (TypeError, ValueError, ArithmeticError) as e:
         if isinstance(e, GGUFError):
             raise
         raise GGUFError(f"{src}: malformed model metadata ({type(e).__name__}: {e})") from None

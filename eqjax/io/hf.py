@@ -1,8 +1,9 @@
 """Hugging Face checkpoints (``config.json`` + safetensors) to eqjax param trees and back.
 
-:func:`load_hf_checkpoint` reads a directory holding ``config.json`` and either one
-``*.safetensors`` file or shards listed in ``model.safetensors.index.json`` (never torch, never
-pickle); :func:`save_hf_checkpoint` writes float weights (QArrays dequantized) that
+:func:`load_hf_checkpoint` reads a directory holding ``config.json`` and either the shards listed
+in ``model.safetensors.index.json`` or, without an index, every ``*.safetensors`` file (never torch,
+never pickle; a tensor in two files is an error naming both; each file's header is checked against
+the file before its data is read); :func:`save_hf_checkpoint` writes float weights (QArrays dequantized) that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Names map as::
 
     model.embed_tokens.weight                     -> embed/embedding
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -150,21 +152,53 @@ def _read_config(root: Path) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(str(e)) from None
 
 
-def _weight_files(root: Path) -> dict[str, Path]:
-    """Map tensor name -> file for sharded checkpoints, or {"": file} markers for unsharded ones."""
-    index = root / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index (need a 'weight_map'): {e}") from None
-        files = {name: root / f for name, f in weight_map.items()}
-        for f in sorted(set(files.values())):
-            if not f.is_file():
-                raise CheckpointError(f"{index} lists shard {f.name}, which is missing from {root}")
-        return files
+class _DuplicateKey(ValueError):
+    """A JSON object names one key twice (the key is the message)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` object hook refusing a key given twice (a second entry would silently replace the first)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: tensor name -> shard file name, every entry checked."""
+    bad = f"bad safetensors index ({index})"
+    try:
+        raw = json.loads(index.read_bytes(), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{bad}: expected each tensor once, found {e} twice") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{bad}: expected JSON, found a file that is not valid JSON ({e})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        found = type(raw).__name__ if not isinstance(raw, dict) else repr(weight_map)[:60]
+        raise CheckpointError(f"{bad}: expected an object with a non-empty 'weight_map' object, found {found}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{bad}: expected a .safetensors file name in this directory for tensor {name}, found {shard!r}"
+            )
+    return weight_map
+
+
+def _weight_files(root: Path) -> tuple[list[Path], dict[str, Path]]:
+    """``(every weight file to read, tensor name -> shard named by the index)``; the map is empty without an
+    index. With an index its shards are read (a ``*.safetensors`` file it does not name is ignored with a
+    warning); without one, every ``*.safetensors`` file of the directory is read."""
     found = sorted(root.glob("*.safetensors"))
-    if not found:
+    for f in found:
+        if not f.is_file():
+            raise CheckpointError(f"weight file ({f}): expected a regular file, found {_kind(f)}")
+    index = root / INDEX_FILE
+    if not index.exists():
+        if found:
+            return found, {}
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise CheckpointError(
@@ -173,48 +207,122 @@ def _weight_files(root: Path) -> dict[str, Path]:
                 "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)`"
             )
         raise CheckpointError(f"{root}: no *.safetensors weights found")
-    return {"": f for f in found}
+    if not index.is_file():
+        raise CheckpointError(f"safetensors index ({index}): expected a regular file, found {_kind(index)}")
+    weight_map = _read_index(index)
+    shards = sorted(set(weight_map.values()))
+    for name in shards:
+        f = root / name
+        if not f.exists():
+            raise CheckpointError(f"{index} lists shard {name}, which is missing from {root}")
+        if not f.is_file():
+            raise CheckpointError(f"shard {name} listed in {index}: expected a regular file, found {_kind(f)}")
+    unlisted = [f.name for f in found if f.name not in weight_map.values()]
+    if unlisted:
+        warnings.warn(
+            f"{root}: ignoring {', '.join(unlisted)}: not a shard listed in {INDEX_FILE} (only listed shards are read)",
+            stacklevel=3,
+        )
+    return [root / s for s in shards], {n: root / f for n, f in weight_map.items()}
+
+
+def _kind(p: Path) -> str:
+    """What ``p`` is, for messages: ``a directory``, ``a special file``, ``nothing``."""
+    return "a directory" if p.is_dir() else "nothing" if not p.exists() else "a special file"
+
+
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+              "F8_E5M2": "float8_e5m2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8",
+              "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
+_FLOAT_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # float dtypes numpy calls kind "V"
+
+
+def _st_dtype(code: Any) -> np.dtype | None:
+    """The numpy dtype of a safetensors dtype code (None for an unknown one)."""
+    import ml_dtypes
+
+    spec = _ST_DTYPES.get(code) if isinstance(code, str) else None
+    if spec is None:
+        return None
+    return np.dtype(getattr(ml_dtypes, spec)) if spec in _FLOAT_DTYPES else np.dtype(spec)
+
+
+def _not_safetensors(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path}: not a valid safetensors file ({why})")
+
+
+def _entry(path: Path, name: str, meta: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of one header entry; a malformed entry raises naming the tensor."""
+    if not isinstance(meta, dict):
+        raise _not_safetensors(path, f"tensor {name}: expected a header object, found {type(meta).__name__}")
+    dtype, shape, offsets = _st_dtype(meta.get("dtype")), meta.get("shape"), meta.get("data_offsets")
+    if dtype is None:
+        raise _not_safetensors(path, f"tensor {name}: expected a dtype of {', '.join(_ST_DTYPES)}, found {meta.get('dtype')!r}")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise _not_safetensors(path, f"tensor {name}: expected a shape of integers >= 0, found {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise _not_safetensors(path, f"tensor {name}: expected data_offsets [begin, end] with 0 <= begin <= end, "
+                                     f"found {offsets!r}")
+    begin, end = offsets
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if end - begin != nbytes:
+        raise _not_safetensors(path, f"tensor {name}: shape {tuple(shape)} of {meta['dtype']} needs {nbytes} bytes, "
+                                     f"data_offsets span {end - begin}")
+    return dtype, tuple(shape), begin, end
+
+
+def _read_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
+    """Every tensor entry of a safetensors file and where its data starts; entries are checked against
+    each other and the file size (a cut file names the first tensor it cuts)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(_MAX_HEADER, size - 8):
+            raise _not_safetensors(path, f"truncated or corrupt: header length {n}, file size {size} bytes")
+        blob = fh.read(n)
+    try:
+        header = json.loads(blob, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise _not_safetensors(path, f"corrupt header: tensor {e} listed twice") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _not_safetensors(path, f"truncated or corrupt header: {e}") from None
+    if not isinstance(header, dict):
+        raise _not_safetensors(path, f"corrupt header: expected a JSON object, found {type(header).__name__}")
+    header.pop("__metadata__", None)
+    entries = {name: _entry(path, name, meta) for name, meta in header.items()}
+    data_len, pos, prev = size - 8 - n, 0, None
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
+        if end > data_len:
+            raise _not_safetensors(path, f"truncated: tensor {name} needs data bytes [{begin}, {end}), the file "
+                                         f"holds {data_len}")
+        if begin != pos:
+            what = f"overlaps tensor {prev}" if begin < pos else f"leaves bytes [{pos}, {begin}) to no tensor"
+            raise _not_safetensors(path, f"corrupt header: tensor {name} at data bytes [{begin}, {end}) {what}")
+        pos, prev = end, name
+    if pos != data_len:
+        raise _not_safetensors(path, f"corrupt: {data_len - pos} data bytes after the last tensor belong to no tensor")
+    return entries, 8 + n
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as numpy (bfloat16 via ml_dtypes); corrupt files raise CheckpointError."""
-    from safetensors import SafetensorError, safe_open
-
+    """All tensors of one file as numpy arrays (bfloat16 / float8 via ml_dtypes), read from the header's
+    checked offsets; a corrupt or cut file raises CheckpointError naming the file (and tensor)."""
     try:
+        entries, start = _read_header(path)
         out: dict[str, np.ndarray] = {}
-        with safe_open(str(path), framework="numpy") as f:
-            names = list(f.keys())
-            bf16 = [n for n in names if f.get_slice(n).get_dtype() == "BF16"]
-            for n in names:
-                if n not in bf16:
-                    out[n] = f.get_tensor(n)
-        if bf16:
-            out.update(_read_raw(path, bf16))
+        with open(path, "rb") as fh:
+            for name, (dtype, shape, begin, end) in entries.items():
+                fh.seek(start + begin)
+                buf = fh.read(end - begin)
+                if len(buf) != end - begin:
+                    raise _not_safetensors(path, f"truncated while reading tensor {name}")
+                out[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
         return out
-    except SafetensorError as e:
-        raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
-    except (OSError, ValueError, KeyError, TypeError, OverflowError, MemoryError) as e:
-        raise CheckpointError(
-            f"{path}: not a valid safetensors file (truncated or corrupt?): {type(e).__name__}: {e}"
-        ) from None
-
-
-def _read_raw(path: Path, names: list[str]) -> dict[str, np.ndarray]:
-    """bfloat16 tensors (numpy has no bf16 for safetensors.numpy): read from the header's offsets."""
-    import ml_dtypes
-
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-        base = 8 + n
-        out = {}
-        for name in names:
-            meta = header[name]
-            start, end = meta["data_offsets"]
-            fh.seek(base + start)
-            buf = fh.read(end - start)
-            out[name] = np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(meta["shape"])
-        return out
+    except (OSError, MemoryError) as e:
+        raise CheckpointError(f"{path}: cannot read the weight file: {type(e).__name__}: {e}") from None
 
 
 def _set(tree: dict[str, Any], path: Path_, value: Any) -> None:
@@ -245,17 +353,21 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     config, _ = _read_config(root)
-    files = _weight_files(root)
+    files, index_map = _weight_files(root)
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, Path] = {}
-    for f in sorted(set(files.values())):
+    for f in files:
         for name, arr in _read_safetensors(f).items():
             if name in tensors:
-                raise CheckpointError(f"tensor {name} appears in both {origin[name].name} and {f.name}")
+                raise CheckpointError(
+                    f"duplicate tensor ({origin[name]}, {f}): expected each tensor in one weight file, "
+                    f"found {name} in both"
+                )
             tensors[name], origin[name] = arr, f
-    for name, f in files.items():
-        if name and name not in tensors:
-            raise CheckpointError(f"{root / INDEX_FILE} maps tensor {name} to {f.name}, which does not contain it")
+    for name, f in index_map.items():
+        if origin.get(name) != f:
+            where = f"found it in {origin[name].name}" if name in origin else "found it in no shard"
+            raise CheckpointError(f"tensor {name} ({root / INDEX_FILE}): expected in {f.name}, {where}")
     if isinstance(config, GPT2Config):  # the original GPT-2 upload has no "transformer." prefix
         prefixed = lambda n: n if n.startswith(("transformer.", "lm_head.")) else f"transformer.{n}"  # noqa: E731
         tensors = {prefixed(n): a for n, a in tensors.items()}
@@ -272,7 +384,7 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
             raise CheckpointError(
                 f"{origin[name]}: tensor {name} has shape {tuple(arr.shape)} but config.json implies {t.hf_shape}"
             )
-        if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+        if arr.dtype.kind != "f" and arr.dtype.name not in _FLOAT_DTYPES:
             raise CheckpointError(
                 f"non-float tensor ({origin[name]}: {name}): expected a floating-point dtype, found {arr.dtype.name}"
             )

@@ -8,6 +8,8 @@ fields; :class:`GPT2Config` covers GPT-2. Hugging Face ``config.json`` dicts are
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Literal, Mapping
 from eqjax.errors import InputError
 from eqjax.models.activations import ACTIVATIONS, GATED_ACTIVATIONS
@@ -28,6 +30,21 @@ _ROPE_TYPES = ("linear", "llama3")
 
 class ConfigError(InputError):
     """A model configuration is invalid or describes an architecture eqjax does not support."""
+
+
+def _check_sizes(cls: str, config: Any, names: tuple[str, ...]) -> None:
+    """Raise ConfigError unless each field in ``names`` is None or an integer >= 1 (sizes, counts)."""
+    for name in names:
+        v = getattr(config, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ConfigError(f"{cls}.{name} must be an integer >= 1, got {v!r}")
+
+
+def _check_float(what: str, value: Any, *, positive: bool) -> None:
+    """Raise ConfigError unless ``value`` is a finite number, ``> 0`` if ``positive`` else ``>= 0``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise ConfigError(f"{what} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +69,11 @@ class RopeScaling:
             raise ConfigError(
                 f"unsupported rope scaling type {self.type!r}: eqjax supports {', '.join(_ROPE_TYPES)}"
             )
-        if self.factor <= 0:
-            raise ConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+        _check_float("rope scaling factor", self.factor, positive=True)
+        if self.type == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor"):
+                _check_float(f"llama3 rope scaling {name}", getattr(self, name), positive=True)
+            _check_sizes("RopeScaling", self, ("original_max_position_embeddings",))
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
 
@@ -145,6 +165,10 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalization
+        _check_sizes("LlamaConfig", self, ("vocab", "hidden", "intermediate", "n_layers", "n_heads", "n_kv_heads",
+                                           "head_dim", "max_position_embeddings"))
+        _check_float("LlamaConfig.rope_theta", self.rope_theta, positive=True)
+        _check_float("LlamaConfig.rms_norm_eps", self.rms_norm_eps, positive=False)
         if self.n_kv_heads is None:
             set_("n_kv_heads", self.n_heads)
         if self.head_dim is None:
@@ -158,9 +182,9 @@ class LlamaConfig:
             )
         if self.sliding_layers is not None:
             set_("sliding_layers", tuple(int(i) for i in self.sliding_layers))
-        for name in ("vocab", "hidden", "intermediate", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sliding_layers is not None and not all(0 <= i < self.n_layers for i in self.sliding_layers):
+            raise ConfigError(f"LlamaConfig.sliding_layers must be layer indices in [0, {self.n_layers}), "
+                              f"got {self.sliding_layers}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
@@ -214,6 +238,8 @@ class GPT2Config:
     model_type: str = "gpt2"
 
     def __post_init__(self) -> None:
+        _check_sizes("GPT2Config", self, ("vocab", "hidden", "n_layers", "n_heads", "n_positions", "intermediate"))
+        _check_float("GPT2Config.layer_norm_eps", self.layer_norm_eps, positive=False)
         if self.intermediate is None:
             object.__setattr__(self, "intermediate", 4 * self.hidden)
         if self.hidden % self.n_heads:

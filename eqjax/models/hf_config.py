@@ -22,6 +22,7 @@ Llama-family forward, :mod:`eqjax.models.llama`) and ``gpt2``. Per architecture:
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Mapping
 
@@ -79,10 +80,39 @@ def _model_type(d: Mapping[str, Any], source: str) -> str:
     )
 
 
-def _require(d: Mapping[str, Any], key: str, source: str) -> Any:
-    if d.get(key) is None:
+def _bad_value(source: str, key: str, expected: str, found: Any) -> ConfigError:
+    return ConfigError(f"bad config value ({source}: {key}): expected {expected}, found {found!r}")
+
+
+def _size(d: Mapping[str, Any], key: str, source: str, default: Any = None) -> int:
+    """``d[key]`` (or ``default``) as an integer >= 1; a zero, negative, fractional, boolean or string value
+    raises naming the key. A missing key without a default is a missing required field."""
+    v = d.get(key, default) if d.get(key) is not None else default
+    if v is None:
         raise ConfigError(f"{source}: missing required field {key!r}")
-    return d[key]
+    integral = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+    if not integral or v < 1:
+        raise _bad_value(source, key, "an integer >= 1", v)
+    return int(v)
+
+
+def _real(v: Any, source: str, key: str, *, positive: bool) -> float:
+    """``v`` as a finite float, ``> 0`` if ``positive`` else ``>= 0``, or ConfigError naming the key."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or (v <= 0 if positive else v < 0):
+        raise _bad_value(source, key, f"a finite number {'> 0' if positive else '>= 0'}", v)
+    return float(v)
+
+
+def _heads(d: Mapping[str, Any], source: str, hidden: int, head_dim: Any) -> tuple[int, int]:
+    """``(num_attention_heads, num_key_value_heads)``, checked against each other and the width."""
+    n_heads = _size(d, "num_attention_heads", source)
+    n_kv = _size(d, "num_key_value_heads", source, default=n_heads)
+    if n_heads % n_kv:
+        raise _bad_value(source, "num_key_value_heads", f"a divisor of num_attention_heads {n_heads}", n_kv)
+    if head_dim is None and hidden % n_heads:
+        raise _bad_value(source, "num_attention_heads", f"a divisor of hidden_size {hidden} (or a head_dim)", n_heads)
+    return n_heads, n_kv
 
 
 def _refuse_fields(d: Mapping[str, Any], mt: str, source: str) -> None:
@@ -103,8 +133,16 @@ def _rope(d: Mapping[str, Any], mt: str, source: str) -> tuple[float, RopeScalin
     """(theta, scaling, partial_rotary_factor) from either RoPE layout."""
     params = d.get("rope_parameters") or {}
     legacy = d.get("rope_scaling") or {}
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    top = d.get("rope_theta")
+    theta = 10000.0 if top is None else _real(top, source, "rope_theta", positive=True)
+    if params.get("rope_theta") is not None:
+        nested = _real(params["rope_theta"], source, "rope_parameters.rope_theta", positive=True)
+        if top is not None and nested != theta:  # transformers 4 reads one, 5 the other
+            raise _bad_value(source, "rope_theta", f"the same value as rope_parameters.rope_theta {nested}", theta)
+        theta = nested
     partial = float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if not 0 < partial <= 1:
+        raise _bad_value(source, "partial_rotary_factor", "a number in (0, 1]", partial)
     if partial != 1.0 and mt != "phi3":
         raise ConfigError(f"{source}: {mt} with partial_rotary_factor={partial} is not supported (only phi3's)")
     use_params = params.get("rope_type", params.get("type")) not in (None, "default")
@@ -119,7 +157,7 @@ def _rope(d: Mapping[str, Any], mt: str, source: str) -> tuple[float, RopeScalin
         scaling = RopeScaling.from_dict(src, max_position_embeddings=int(d.get("max_position_embeddings", 8192)))
     except ConfigError as e:
         raise ConfigError(f"{source}: {mt} {field}: {e}") from None
-    return float(theta), scaling, partial
+    return theta, scaling, partial
 
 
 def _activation(d: Mapping[str, Any], mt: str, source: str) -> str:
@@ -142,7 +180,7 @@ def _llama_from_hf(d: Mapping[str, Any], mt: str, source: str) -> LlamaConfig:
     _refuse_fields(d, mt, source)
     act = _activation(d, mt, source)
     theta, scaling, partial = _rope(d, mt, source)
-    n_layers = int(_require(d, "num_hidden_layers", source))
+    n_layers = _size(d, "num_hidden_layers", source)
     window = d.get("sliding_window")
     if mt in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
         window = None
@@ -157,10 +195,14 @@ def _llama_from_hf(d: Mapping[str, Any], mt: str, source: str) -> LlamaConfig:
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         if not layers:
             window, layers = None, None
-    n_heads = int(_require(d, "num_attention_heads", source))
-    hidden = int(_require(d, "hidden_size", source))
+    hidden = _size(d, "hidden_size", source)
     head_dim = d.get("head_dim", 256 if mt == "gemma" else None)  # GemmaConfig's default head_dim is 256
-    hd = int(head_dim) if head_dim is not None else hidden // n_heads
+    if head_dim is not None:
+        head_dim = _size(d, "head_dim", source, default=head_dim)
+        if head_dim % 2:
+            raise _bad_value(source, "head_dim", "an even number (RoPE rotates pairs)", head_dim)
+    n_heads, n_kv = _heads(d, source, hidden, head_dim)
+    hd = head_dim if head_dim is not None else hidden // n_heads
     rotary = int(hd * partial)  # transformers: int(head_dim * partial_rotary_factor)
     if rotary % 2 or rotary < 2:
         raise ConfigError(
@@ -168,23 +210,26 @@ def _llama_from_hf(d: Mapping[str, Any], mt: str, source: str) -> LlamaConfig:
             "(need an even number >= 2)"
         )
     gemma = mt == "gemma"
+    if window is not None:
+        window = _size(d, "sliding_window", source)
     return LlamaConfig(
-        vocab=int(_require(d, "vocab_size", source)),
+        vocab=_size(d, "vocab_size", source),
         hidden=hidden,
-        intermediate=int(_require(d, "intermediate_size", source)),
+        intermediate=_size(d, "intermediate_size", source),
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+        n_kv_heads=n_kv,
         head_dim=head_dim,
         rope_theta=theta,
         rope_scaling=scaling,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5 if mt == "phi3" else 1e-6)),
+        rms_norm_eps=_real(d.get("rms_norm_eps", 1e-5 if mt == "phi3" else 1e-6), source, "rms_norm_eps",
+                           positive=False),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         attention_bias=True if mt == "qwen2" else bool(d.get("attention_bias", False)),
         qk_norm=mt == "qwen3",
         sliding_window=None if window is None else int(window),
         sliding_layers=layers,
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_size(d, "max_position_embeddings", source, default=2048),
         model_type=mt,
         hidden_act=act,
         embed_scale=gemma,
@@ -201,14 +246,19 @@ def _gpt2_from_hf(d: Mapping[str, Any], source: str) -> GPT2Config:
                           "attention scores by 1/sqrt(head_dim))")
     if d.get("add_cross_attention"):
         raise ConfigError(f"{source}: gpt2 with add_cross_attention=True is not supported (decoder-only models)")
+    key = lambda k, alt: k if k in d or alt not in d else alt  # noqa: E731 - the spelling the file uses
+    hidden = _size(d, key("n_embd", "hidden_size"), source, default=768)
+    n_heads = _size(d, key("n_head", "num_attention_heads"), source, default=12)
+    if hidden % n_heads:
+        raise _bad_value(source, key("n_head", "num_attention_heads"), f"a divisor of n_embd {hidden}", n_heads)
     return GPT2Config(
-        vocab=int(_require(d, "vocab_size", source)),
-        hidden=int(d.get("n_embd", d.get("hidden_size", 768))),
-        n_layers=int(d.get("n_layer", d.get("num_hidden_layers", 12))),
-        n_heads=int(d.get("n_head", d.get("num_attention_heads", 12))),
-        n_positions=int(d.get("n_positions", 1024)),
-        intermediate=d.get("n_inner"),
-        layer_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        vocab=_size(d, "vocab_size", source),
+        hidden=hidden,
+        n_layers=_size(d, key("n_layer", "num_hidden_layers"), source, default=12),
+        n_heads=n_heads,
+        n_positions=_size(d, "n_positions", source, default=1024),
+        intermediate=None if d.get("n_inner") is None else _size(d, "n_inner", source),
+        layer_norm_eps=_real(d.get("layer_norm_epsilon", 1e-5), source, "layer_norm_epsilon", positive=False),
         activation=d.get("activation_function", "gelu_new"),
         scale_attn_by_inverse_layer_idx=bool(d.get("scale_attn_by_inverse_layer_idx", False)),
     )
@@ -225,9 +275,10 @@ def from_hf_config(d: Mapping[str, Any], *, source: str = "config.json") -> Mode
         if mt == "gpt2":
             return _gpt2_from_hf(d, source)
         return _llama_from_hf(d, mt, source)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
+    except ConfigError as e:
+        msg = str(e)
+        raise (e if source in msg else ConfigError(f"{source}: {msg}")) from None
+    except (TypeError, ValueError, ArithmeticError) as e:
         raise ConfigError(f"{source}: invalid {mt} config: {e}") from None
 
 

@@ -248,3 +248,30 @@ def test_smollm2_loads() -> None:
     assert all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params))
     assert tok.vocab_size == 49152 and tok.bos_id == 1 and tok.eos_id == 2
     assert seconds < 60, f"loading took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("key, value, found", [
+    ("llama.attention.head_count", 0, r"head_count\): expected an integer >= 1, found 0"),
+    ("llama.attention.head_count_kv", 0, r"head_count_kv\): expected an integer >= 1, found 0"),
+    ("llama.attention.head_count_kv", 3, r"head_count_kv\): expected a divisor of llama\.attention\.head_count 2"),
+    ("llama.attention.head_count", 3, r"head_count\): expected a divisor of llama\.embedding_length 8"),
+    ("llama.embedding_length", 0, r"embedding_length\): expected an integer >= 1, found 0"),
+    ("llama.block_count", 0, r"block_count\): expected an integer >= 1, found 0"),
+    ("llama.feed_forward_length", -1, r"feed_forward_length\): expected an integer >= 1, found -1"),
+    ("llama.vocab_size", 0, r"vocab_size\): expected an integer >= 1, found 0"),
+    ("llama.rope.freq_base", 0.0, r"rope\.freq_base\): expected a finite number > 0, found 0\.0"),
+    ("llama.rope.freq_base", float("nan"), r"rope\.freq_base\): expected a finite number > 0"),
+    ("llama.attention.layer_norm_rms_epsilon", -1e-5, r"layer_norm_rms_epsilon\): expected a finite number >= 0"),
+], ids=lambda v: str(v)[:30])
+def test_metadata_values_that_cannot_work(tiny: Path, key: str, value: object, found: str) -> None:
+    meta = eg.read_metadata(tiny, tokenizer=False)
+    meta.pop("llama.attention.key_length", None)
+    with pytest.raises(GGUFError, match=rf"bad GGUF metadata \(m\.gguf: llama\.(attention\.)?{found}"):
+        eg.config_from_metadata({**meta, key: value}, source="m.gguf")
+
+
+def test_zero_heads_in_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", lambda self, n: self.add_uint32("llama.attention.head_count", 0))
+    p = write_tiny(tmp_path / "h0.gguf")
+    with pytest.raises(GGUFError, match=r"h0\.gguf: llama\.attention\.head_count\): expected an integer >= 1, found 0"):
+        load_gguf(p)

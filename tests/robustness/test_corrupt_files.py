@@ -3,6 +3,7 @@ ends in an error of the eqjax family naming the file, or in a correct result; ne
 
 from __future__ import annotations
 
+import codecs
 import json
 import pathlib
 import shutil
@@ -148,4 +149,7 @@ def test_text_files_of_random_bytes(tmp_path_factory, data):
     except DataError as e:
         assert "t.txt" in str(e) and _is_family(e)
         return
-    assert text.strip() and data.decode("utf-8-sig").replace("\r\n", "\n") == text
+    boms = [(codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+            (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")]
+    declared = next((enc for bom, enc in boms if data.startswith(bom)), "utf-8")  # what the byte-order mark says
+    assert text.strip() and data.decode(declared).replace("\r\n", "\n") == text

@@ -30,7 +30,7 @@ from eqjax.core.interpret import evaluate
 from eqjax.core.program import trace, trace_key
 from eqjax.errors import InputError
 from eqjax.pytree import flatten_with_paths
-from eqjax.recipe import Recipe, model_context, quantize
+from eqjax.recipe import Recipe, check_model_arg, check_params_arg, model_context, quantize, resolve_recipe
 
 __all__ = ["quantize_model", "QuantizedFunction", "QuantizedLinen", "QuantizedNNX", "UnquantizedWarning"]
 
@@ -139,12 +139,56 @@ def _unquantized(ctx: Any, qparams_by_path: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _run_recipe(fn: Callable, params: Any, recipe: Recipe | str, calibration: Any, example: Any, blocks: Any,
-                seed: int, progress: bool) -> tuple[Any, list[tuple[str, str]]]:
-    if isinstance(recipe, str):
-        from eqjax.recipes import get_recipe  # noqa: PLC0415
+_WHERE = "eqjax.quantize_model(model, recipe, ...)"
 
-        recipe = get_recipe(recipe)
+
+def _as_example(example: Any) -> tuple[Any, ...] | None:
+    """``example`` as an argument tuple: a single array (or any non-sequence) is one argument."""
+    if example is None or isinstance(example, tuple):
+        return example
+    if isinstance(example, list):
+        return tuple(example)
+    return (example,)
+
+
+def _as_calibration(calibration: Any) -> list[Any] | None:
+    """The calibration batches as a list; a non-iterable (or a single array, whose rows would be taken as
+    batches) is an :class:`InputError` naming the argument."""
+    if calibration is None:
+        return None
+    if hasattr(calibration, "shape") or isinstance(calibration, (str, bytes)) or not isinstance(calibration, Iterable):
+        raise InputError(f"bad calibration ({_WHERE}): expected an iterable of argument tuples of the model's call, "
+                         f"e.g. [(tokens,), ...], found {type(calibration).__name__}")
+    return list(calibration)
+
+
+def _check_linen_params(module: Any, params: Any, args: tuple[Any, ...] | None) -> None:
+    """Compare ``params`` with the tree ``module.init`` makes for ``args`` (abstractly, ``jax.eval_shape``):
+    a missing param or a shape mismatch is an :class:`InputError` naming its path, before any tracing.
+    Skipped where ``init`` cannot run abstractly (extra RNG streams, non-array arguments)."""
+    if args is None:
+        return
+    try:
+        want = jax.eval_shape(lambda: module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                                  *args))
+    except Exception:  # noqa: BLE001 - the check is best-effort; the trace reports what it finds
+        return
+    want = want.get("params", {}) if isinstance(want, Mapping) else {}
+    wp, wl, _ = flatten_with_paths(want)
+    gp, gl, _ = flatten_with_paths(params)
+    given = dict(zip(gp, gl))
+    for path, leaf in zip(wp, wl):
+        if path not in given:
+            raise InputError(f"params do not fit the module (params={{...}} of {_WHERE}: {path}): expected a param of "
+                             f"shape {tuple(leaf.shape)} as {type(module).__name__}.init makes, found it missing")
+        shape = tuple(getattr(given[path], "shape", ()))
+        if shape != tuple(leaf.shape):
+            raise InputError(f"params do not fit the module (params={{...}} of {_WHERE}: {path}): expected shape "
+                             f"{tuple(leaf.shape)}, found {shape}")
+
+
+def _run_recipe(fn: Callable, params: Any, recipe: Recipe, calibration: Any, example: Any, blocks: Any,
+                seed: int, progress: bool) -> tuple[Any, list[tuple[str, str]]]:
     if recipe.kv is not None:
         raise InputError(f"recipe {recipe.name!r} quantizes the KV cache, which quantize_model does not support yet "
                          "(only eqjax's own models); use a weight recipe")
@@ -153,7 +197,7 @@ def _run_recipe(fn: Callable, params: Any, recipe: Recipe | str, calibration: An
                          "calibration) to see how the model uses its params")
     ctx = model_context(fn, params, calibration, example=None if example is None else tuple(example),
                         blocks=blocks, seed=seed, progress=progress)
-    qparams = quantize(params, recipe, context=ctx)
+    qparams = quantize(params, recipe, context=ctx, require_quantized=False)  # checked below, with the reasons
     missing = _unquantized(ctx, {})
     if missing:
         warnings.warn("not quantized: " + "; ".join(missing), UnquantizedWarning, stacklevel=3)
@@ -188,7 +232,10 @@ def quantize_model(
     Returns ``(QuantizedLinen, qparams)`` for linen / HF models, ``(QuantizedFunction, qparams)`` for a
     function, and a :class:`QuantizedNNX` for an NNX module.
     """
-    calib = None if calibration is None else list(calibration)
+    check_model_arg(model, f"model of {_WHERE}")
+    recipe = resolve_recipe(recipe, f"recipe of {_WHERE}")
+    calib = _as_calibration(calibration)
+    example = _as_example(example)
     try:
         from flax import nnx  # noqa: PLC0415
         import flax.linen as nn  # noqa: PLC0415
@@ -204,11 +251,15 @@ def quantize_model(
         model = model.module
     if nn is not None and isinstance(model, nn.Module):
         if params is None:
-            raise InputError("quantize_model: a linen module needs params= (its 'params' collection)")
+            raise InputError(f"a linen module needs params (params= of {_WHERE}): expected its 'params' "
+                             "collection (or its variables dict), found None")
         others: dict[str, Any] = {}
         if isinstance(params, Mapping) and "params" in params:
             others = {k: v for k, v in params.items() if k != "params"}
             params = params["params"]
+        check_params_arg(params, f"params of {_WHERE}")
+        first = calib[0] if calib else example
+        _check_linen_params(model, params, first if isinstance(first, tuple) or first is None else (first,))
         qlinen = QuantizedLinen(model)
         fn = lambda p, *a, **k: qlinen._call(p, others, *a, **k)  # noqa: E731
         q, report = _run_recipe(fn, params, recipe, calib, example, blocks, seed, progress)
@@ -216,7 +267,9 @@ def quantize_model(
         return qlinen, q
     if callable(model):
         if params is None:
-            raise InputError("quantize_model: a function model needs params=")
+            raise InputError(f"a function model needs params (params= of {_WHERE}): expected the tree "
+                             "fn(params, *args) takes, found None")
+        check_params_arg(params, f"params of {_WHERE}")
         q, report = _run_recipe(model, params, recipe, calib, example, blocks, seed, progress)
         return QuantizedFunction(model, report), q
     raise InputError(f"quantize_model: cannot quantize a {type(model).__name__}: pass a linen or NNX module, a "

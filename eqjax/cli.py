@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
+from eqjax.distributed.runtime import check_distributed_args, is_multi_process
 from eqjax.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, InputError, OutputError, describe, exit_code
 
 __all__ = ["main", "build_parser"]
@@ -49,8 +50,20 @@ def _add_low_memory(p: argparse.ArgumentParser) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    def encoding(value: str) -> str:  # argparse type of --encoding: a known text codec, else a usage error
+        from eqjax.data import DataError, check_encoding
+
+        try:
+            return check_encoding(value)
+        except DataError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
     p.add_argument("--model", default=None, help="a .gguf file or an HF safetensors directory (default: SmolLM2-135M)")
-    p.add_argument("--text", default=None, help="UTF-8 plain-text file to evaluate on (default: Wikipedia split)")
+    p.add_argument("--text", default=None, help="plain-text file to evaluate on: UTF-8, or as its byte-order mark or "
+                                                "--encoding says (default: Wikipedia split)")
+    p.add_argument("--encoding", default=None, type=encoding,
+                   help="the --text file's encoding, a Python codec name (utf-8, utf-16-le, latin-1, ...); default: "
+                        "its byte-order mark's (UTF-8/16/32), else UTF-8")
     p.add_argument("--ctx", type=int, default=1024, help="evaluation window length in tokens (default 1024)")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="evaluation tokens, rounded down to whole windows (at least --ctx)")
@@ -180,73 +193,12 @@ def _check_model_path(path: str | None, *, gguf_only: bool = False) -> None:
         raise InputError(f"model not found (--model {p}): expected a .gguf file or an HF checkpoint directory, found nothing")
 
 
-def _check_text_path(path: str | None) -> None:
+def _check_text_path(path: str | None, encoding: str | None = None) -> None:
     if path is None:
         return
     from eqjax.data import load_text_file
 
-    load_text_file(path)  # DataError naming the file: missing, not a file, not UTF-8, empty
-
-
-def _check_distributed(args: argparse.Namespace) -> None:
-    """Bad multi-process flags (or EQJAX_*/JAX_* variables) are input errors, before jax.distributed starts."""
-    if not hasattr(args, "num_processes"):
-        return
-
-    def env(*names: str) -> str | None:
-        for n in names:
-            v = os.environ.get(n)
-            if v not in (None, ""):
-                return v
-        return None
-
-    def as_int(value: Any, flag: str, names: tuple[str, ...]) -> int | None:
-        if value is not None:
-            return value
-        raw = env(*names)
-        if raw is None:
-            return None
-        try:
-            return int(raw)
-        except ValueError:
-            raise InputError(f"bad {flag} ({'/'.join(names)}): expected an integer, found {raw!r}") from None
-
-    coord = args.coordinator if args.coordinator is not None else env("EQJAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
-    n = as_int(args.num_processes, "--num-processes", ("EQJAX_NUM_PROCESSES", "JAX_NUM_PROCESSES"))
-    pid = as_int(args.process_id, "--process-id", ("EQJAX_PROCESS_ID", "JAX_PROCESS_ID"))
-    timeout = as_int(getattr(args, "dist_timeout", None), "--dist-timeout", ("EQJAX_DIST_TIMEOUT",))
-    if timeout is not None and timeout < 1:
-        raise InputError(f"bad distributed timeout (--dist-timeout): expected seconds >= 1, found {timeout}")
-    mp = getattr(args, "model_parallel", 1)
-    if mp is not None and mp < 1:
-        raise InputError(f"bad model-parallel size (--model-parallel): expected an integer >= 1, found {mp}")
-    if n is not None and n < 1:
-        raise InputError(f"bad number of processes (--num-processes): expected an integer >= 1, found {n}")
-    if pid is not None and pid < 0:
-        raise InputError(f"bad process id (--process-id): expected an integer >= 0, found {pid}")
-    if coord is None and n in (None, 1) and pid in (None, 0):
-        return  # single process
-    if n is not None and pid is not None and pid >= n:
-        raise InputError(f"process id out of range (--process-id vs --num-processes {n}): expected 0..{n - 1}, found {pid}")
-    missing = [f for f, v in (("--coordinator", coord), ("--num-processes", n), ("--process-id", pid)) if v is None]
-    if missing:
-        raise InputError(
-            f"incomplete multi-process flags ({', '.join(missing)}): expected --coordinator, --num-processes and "
-            "--process-id together (or EQJAX_COORDINATOR/EQJAX_NUM_PROCESSES/EQJAX_PROCESS_ID), found them missing"
-        )
-    host, sep, port = str(coord).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise InputError(f"malformed coordinator address (--coordinator): expected host:port with port 1..65535, found {coord!r}")
-
-
-def _is_multi_process(args: argparse.Namespace) -> bool:
-    """Multi-process flags or variables are given (already checked by :func:`_check_distributed`)."""
-    if not hasattr(args, "num_processes"):
-        return False
-    env = os.environ.get
-    coord = args.coordinator or env("EQJAX_COORDINATOR") or env("JAX_COORDINATOR_ADDRESS")
-    n = args.num_processes if args.num_processes is not None else (env("EQJAX_NUM_PROCESSES") or env("JAX_NUM_PROCESSES"))
-    return bool(coord) or (n not in (None, "") and int(n) > 1)
+    load_text_file(path, encoding)  # DataError naming the file: missing, not a file, not decodable, not text, empty
 
 
 def _maybe_init_distributed(args: argparse.Namespace) -> bool:
@@ -296,18 +248,22 @@ def _preflight_common(args: argparse.Namespace) -> None:
     check_protocol_args(ctx=args.ctx, eval_tokens=args.eval_tokens, calib_windows=args.calib_windows,
                         calib_ctx=args.calib_ctx, batch_size=args.batch_size, seed=args.seed)
     _check_model_path(args.model)
-    _check_text_path(args.text)
-    _check_distributed(args)
+    _check_text_path(args.text, args.encoding)
+    check_distributed_args(args)
 
 
 # ------------------------------------------------------------------------------------ commands
 def _cmd_run(args: argparse.Namespace) -> int:
-    from eqjax.atomic import check_output_dir, check_output_file
-    from eqjax.experiment import REPORT_FILES, RowLog, markdown_table, prepare, run_recipes, write_report
+    import contextlib
+
+    from eqjax.atomic import MARKER, check_not_input, check_output_dir, check_output_file, output_lock, write_marker
+    from eqjax.experiment import (REPORT_FILES, ROWS_FILE, RowLog, content_fingerprints, markdown_table, prepare,
+                                  run_recipes, write_report)
 
     _preflight_common(args)
     recipes = _recipes(args.recipes)
-    out = check_output_dir(args.out, allow_nonempty=True, what="output directory (--out)")
+    inputs = (args.model, args.text)
+    out = check_output_dir(args.out, allow_nonempty=True, what="output directory (--out)", inputs=inputs)
     row_log = RowLog(out)
     if not (args.overwrite or args.resume):
         if row_log.exists():
@@ -323,46 +279,56 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 )
     if args.json:
         check_output_file(args.json, overwrite=args.overwrite or args.resume, what="--json file")
+        check_not_input(args.json, inputs, what="--json file")
+        own = {os.path.realpath(out / n): n for n in (*REPORT_FILES, ROWS_FILE, MARKER)}
+        if os.path.realpath(args.json) in own:
+            raise OutputError(f"the --json file is one of the run's own files (--json {args.json}): expected a path apart "
+                              f"from the report in --out, found {own[os.path.realpath(args.json)]} of {out}")
     from eqjax.linear import use_backend
 
     writer = _maybe_init_distributed(args)
-    t0 = time.perf_counter()
-    need_cal = any(r.needs_calibration for r in recipes)
-    setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
-                    calib_windows=args.calib_windows if need_cal else 0, calib_ctx=args.calib_ctx, seed=args.seed)
-    _check_same_job(setup, recipes)
-    pr = setup.protocol
-    done: list[dict[str, Any]] = []
-    if writer:
-        if args.resume and row_log.exists():
-            done = row_log.resume(pr, recipes)
-            print(f"resuming: {len(done)} of {len(recipes)} recipes already measured ({row_log.path})", flush=True)
-        else:
-            if args.resume:
-                print(f"nothing to resume in {out}: starting a fresh run", flush=True)
-            row_log.start(pr)
-    if writer:
-        print(f"model: {pr['model']}\ntext: {pr['text']}\nevaluating {pr['eval_tokens']} tokens "
-              f"({pr['eval_windows']} windows of {pr['ctx']}, {pr['predictions']} predictions) on {len(recipes)} recipes",
-              flush=True)
-    try:
-        with use_backend(args.backend):
-            rows = run_recipes(setup, recipes, batch_size=args.batch_size, row_log=row_log if writer else None,
-                               done=done)
-    except KeyboardInterrupt:
+    with output_lock(out) if writer else contextlib.nullcontext():  # a second run on --out is refused here
+        fresh = not out.is_dir() or not any(out.iterdir())
+        t0 = time.perf_counter()
+        need_cal = any(r.needs_calibration for r in recipes)
+        setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens, seed=args.seed,
+                        calib_windows=args.calib_windows if need_cal else 0, calib_ctx=args.calib_ctx,
+                        encoding=args.encoding)
+        _check_same_job(setup, recipes)
+        pr = setup.protocol
+        done: list[dict[str, Any]] = []
+        if writer:
+            pr.update(content_fingerprints(args.model, args.text))  # --resume over other content is refused
+            if args.resume and row_log.exists():
+                done = row_log.resume(pr, recipes)
+                print(f"resuming: {len(done)} of {len(recipes)} recipes already measured ({row_log.path})", flush=True)
+            else:
+                if args.resume:
+                    print(f"nothing to resume in {out}: starting a fresh run", flush=True)
+                row_log.start(pr)
+            if fresh:
+                write_marker(out, "run")
+            print(f"model: {pr['model']}\ntext: {pr['text']}\nevaluating {pr['eval_tokens']} tokens "
+                  f"({pr['eval_windows']} windows of {pr['ctx']}, {pr['predictions']} predictions) on {len(recipes)} "
+                  "recipes", flush=True)
         try:
-            kept = len(row_log.resume(pr, recipes)) if writer and row_log.exists() else 0
-        except Exception:  # noqa: BLE001 - the count is informative only
-            kept = 0
-        print(f"eqjax: error: interrupted (Ctrl-C); {kept} finished row(s) kept in {row_log.path}; "
-              "rerun the same command with --resume to continue", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if writer:
-        print()
-        print(markdown_table(rows, pr))
-        files = write_report(rows, setup, out, args.json)
-        print("wrote " + ", ".join(str(p) for p in files.values()) + f" (rows: {row_log.path})")
-        print(f"evaluated {pr['eval_tokens']} tokens per recipe; total {time.perf_counter() - t0:.0f} s")
+            with use_backend(args.backend):
+                rows = run_recipes(setup, recipes, batch_size=args.batch_size, row_log=row_log if writer else None,
+                                   done=done)
+        except KeyboardInterrupt:
+            try:
+                kept = len(row_log.resume(pr, recipes)) if writer and row_log.exists() else 0
+            except Exception:  # noqa: BLE001 - the count is informative only
+                kept = 0
+            print(f"eqjax: error: interrupted (Ctrl-C or SIGTERM); {kept} finished row(s) kept in {row_log.path}; "
+                  "rerun the same command with --resume to continue", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if writer:
+            print()
+            print(markdown_table(rows, pr))
+            files = write_report(rows, setup, out, args.json)
+            print("wrote " + ", ".join(str(p) for p in files.values()) + f" (rows: {row_log.path})")
+            print(f"evaluated {pr['eval_tokens']} tokens per recipe; total {time.perf_counter() - t0:.0f} s")
     _finish_distributed()
     return 0
 
@@ -390,7 +356,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     calibrated = recipe is not None and recipe.needs_calibration
     setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if calibrated else 0,
-                    calib_ctx=args.calib_ctx, seed=args.seed, also_eval=args.also_eval)
+                    calib_ctx=args.calib_ctx, seed=args.seed, also_eval=args.also_eval, encoding=args.encoding)
     _check_same_job(setup, [recipe])
     qparams = None
     if manifest is not None:
@@ -415,9 +381,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from eqjax.atomic import check_output_dir
+    import contextlib
+
+    from eqjax.atomic import check_output_dir, output_lock
     from eqjax.experiment import check_protocol_args, checked_quantize, prepare
-    from eqjax.io.orbax import save_quantized
+    from eqjax.io.orbax import CHECKPOINT_ENTRIES, save_quantized
     from eqjax.recipes import get_recipe
 
     check_protocol_args(ctx=2, eval_tokens=2, calib_windows=args.calib_windows, calib_ctx=args.calib_ctx, seed=args.seed)
@@ -425,26 +393,28 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     recipe = get_recipe(args.recipe)
     if recipe.needs_calibration:
         _check_text_path(args.text)
-    _check_distributed(args)
-    check_output_dir(args.out, overwrite=args.overwrite, what="checkpoint directory (--out)")
+    check_distributed_args(args)
+    check_output_dir(args.out, overwrite=args.overwrite, what="checkpoint directory (--out)",
+                     inputs=(args.model, args.text), replaceable=CHECKPOINT_ENTRIES)
     writer = _maybe_init_distributed(args)
-    setup = prepare(args.model, args.text, ctx=args.calib_ctx, eval_tokens=args.calib_ctx,
-                    calib_windows=args.calib_windows if recipe.needs_calibration else 0,
-                    calib_ctx=args.calib_ctx, seed=args.seed, evaluate=False)
-    _check_same_job(setup, [recipe])
-    t0 = time.perf_counter()
-    q = checked_quantize(setup.params, recipe, model=setup.model,
-                         calibration=setup.calib_windows if recipe.needs_calibration else None, seed=args.seed,
-                         progress=writer, source=str(setup.protocol["model"]))
-    if writer:
-        print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s")
-        if recipe.kv is not None:
-            print(f"note: recipe {recipe.name} quantizes the KV cache at run time; the checkpoint records its KV "
-                  "settings ('eqjax eval --checkpoint' applies them)")
-        if not recipe.steps:
-            print(f"note: recipe {recipe.name} has no weight-quantization step: the checkpoint holds float weights")
-    # every process takes part in the save (each writes its own shards; process 0 the manifest)
-    path = save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)
+    with output_lock(args.out) if writer else contextlib.nullcontext():  # a second writer of --out is refused here
+        setup = prepare(args.model, args.text, ctx=args.calib_ctx, eval_tokens=args.calib_ctx,
+                        calib_windows=args.calib_windows if recipe.needs_calibration else 0,
+                        calib_ctx=args.calib_ctx, seed=args.seed, evaluate=False)
+        _check_same_job(setup, [recipe])
+        t0 = time.perf_counter()
+        q = checked_quantize(setup.params, recipe, model=setup.model,
+                             calibration=setup.calib_windows if recipe.needs_calibration else None, seed=args.seed,
+                             progress=writer, source=str(setup.protocol["model"]))
+        if writer:
+            print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s")
+            if recipe.kv is not None:
+                print(f"note: recipe {recipe.name} quantizes the KV cache at run time; the checkpoint records its KV "
+                      "settings ('eqjax eval --checkpoint' applies them)")
+            if not recipe.steps:
+                print(f"note: recipe {recipe.name} has no weight-quantization step: the checkpoint holds float weights")
+        # every process takes part in the save (each writes its own shards; process 0 the manifest)
+        path = save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)
     if writer:
         print(f"saved {path}")
     _finish_distributed()
@@ -455,9 +425,11 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from eqjax.atomic import check_output_dir
 
     search_main = _optional("eqjax.search_cli", "search_main")
-    if search_main is None:
+    check_search_args = _optional("eqjax.search_cli", "check_search_args")
+    if search_main is None or check_search_args is None:
         return _not_built("search")(args)
     _check_model_path(getattr(args, "model", None), gguf_only=True)
+    check_search_args(args)  # list-valued flags and flags that depend on each other, before loading
     for flag in ("calib_windows", "calib_len", "eval_len"):
         _check_int("--" + flag.replace("_", "-"), getattr(args, flag, None), 1, flag.replace("_", " "))
     _check_int("--eval-windows", getattr(args, "eval_windows", None), 0, "number of evaluation windows")
@@ -479,10 +451,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     export_main = _optional("eqjax.export.onnx", "export_main")
     recipe_for_export = _optional("eqjax.export.onnx", "recipe_for_export")
-    if export_main is None or recipe_for_export is None:
+    check_context_length = _optional("eqjax.export.onnx", "check_context_length")
+    if export_main is None or recipe_for_export is None or check_context_length is None:
         return _not_built("export-onnx")(args)
     _check_model_path(getattr(args, "model", None), gguf_only=True)
     _check_int("--context-length", getattr(args, "context_length", None), 2, "context length")
+    check_context_length(getattr(args, "model", None), getattr(args, "context_length", None))  # GGUF header only
     _check_int("--calib-windows", getattr(args, "calib_windows", None), 1, "number of calibration windows")
     _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
     if str(args.out).endswith(".onnx"):
@@ -533,9 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export-onnx": _cmd_export,
         "export-gguf": _cmd_gguf,
     }
-    old_term = None
+    old_term = old_xfsz = None
     try:
         old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+        old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an EFBIG error, not a core dump
     except ValueError:  # not the main thread
         pass
     if getattr(args, "low_memory", False):
@@ -545,8 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("eqjax: warning: --low-memory has no effect here (the C library is not glibc)", file=sys.stderr)
     try:
         if hasattr(args, "num_processes"):
-            _check_distributed(args)
-            if _is_multi_process(args) and os.environ.get("EQJAX_SUPERVISED") != "1":
+            check_distributed_args(args)
+            if is_multi_process(args) and os.environ.get("EQJAX_SUPERVISED") != "1":
                 from eqjax.distributed.supervise import supervise
 
                 env = os.environ.get
@@ -570,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        if old_xfsz is not None:
+            signal.signal(signal.SIGXFSZ, old_xfsz)
 
 
 if __name__ == "__main__":  # pragma: no cover

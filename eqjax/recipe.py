@@ -160,7 +160,11 @@ def with_paths(template: Any, flat: Mapping[str, Any]) -> Any:
 
 def window_batches(windows: Any, batch_size: int = 8) -> list[tuple[Any, ...]]:
     """Token windows ``[n, T]`` as batches of equal size (the largest divisor of ``n`` <= ``batch_size``)."""
-    w = np.asarray(windows)
+    try:
+        w = np.asarray(windows)
+    except ValueError:  # a ragged list: numpy refuses it
+        raise RecipeError("calibration token windows (calibration): expected a non-empty [n, T] integer array, "
+                          "found windows of different lengths") from None
     if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
         raise RecipeError(f"calibration token windows must be a non-empty [n, T] array, got shape {w.shape}")
     if not np.issubdtype(w.dtype, np.integer):
@@ -168,6 +172,89 @@ def window_batches(windows: Any, batch_size: int = 8) -> list[tuple[Any, ...]]:
     n = w.shape[0]
     b = max(d for d in range(1, min(batch_size, n) + 1) if n % d == 0)
     return [(w[i:i + b].astype(np.int32),) for i in range(0, n, b)]
+
+
+_FOREIGN = {"torch": "a PyTorch module", "tensorflow": "a TensorFlow object", "keras": "a Keras model"}
+
+
+def check_model_arg(model: Any, where: str) -> None:
+    """Refuse a model of another framework (a ``torch.nn.Module``, a Keras model) with an
+    :class:`InputError` naming ``where``: eqjax traces JAX functions and Flax modules only."""
+    for cls in type(model).__mro__:
+        root = (getattr(cls, "__module__", "") or "").split(".")[0]
+        if root in _FOREIGN:
+            raise InputError(f"unsupported model ({where}): expected an eqjax Model, a Flax linen/NNX module, a "
+                             f"Hugging Face Flax model or a JAX function fn(params, *args), found "
+                             f"{_FOREIGN[root]} ({type(model).__module__}.{type(model).__name__}); convert it to "
+                             "Flax/JAX first")
+
+
+def check_params_arg(params: Any, where: str) -> None:
+    """``params`` must be a non-empty param tree (a dict of arrays): an :class:`InputError` naming ``where``
+    otherwise (e.g. the arguments given in the wrong order)."""
+    if isinstance(params, Mapping) and params:
+        return
+    found = "an empty dict" if isinstance(params, Mapping) else f"{type(params).__name__} {repr(params)[:60]}"
+    raise InputError(f"bad params ({where}): expected the model's param tree (a non-empty dict of arrays), found "
+                     f"{found}")
+
+
+def resolve_recipe(recipe: Any, where: str = "recipe") -> "Recipe":
+    """A :class:`Recipe` from ``recipe``: a Recipe, a built-in recipe name or a recipe file path; any other
+    type is a :class:`RecipeError` naming ``where``."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, (str, pathlib.PurePath)):
+        from eqjax.recipes import get_recipe  # noqa: PLC0415 - recipes imports this module
+
+        return get_recipe(str(recipe))
+    raise RecipeError(f"bad recipe ({where}): expected an eqjax Recipe, a built-in recipe name or a .toml/.json "
+                      f"file path, found {type(recipe).__name__} {repr(recipe)[:60]}")
+
+
+_QUANTIZING_STEPS = frozenset({"RTN", "GPTQ", "SearchedRTN", "SignRound", "ZeroQuantLKD"})
+"""Step classes that quantize weights (a rotation quantizes through its ``then`` steps)."""
+
+
+def _quantizing_step(step: Any) -> bool:
+    then = getattr(step, "then", None)
+    if then is not None:
+        return any(_quantizing_step(t) for t in then)
+    return type(step).__name__ in _QUANTIZING_STEPS
+
+
+def check_quantized_something(recipe: "Recipe", before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+    """A recipe with a quantizing step must have quantized at least one param (``after`` vs ``before``, by
+    path); else a :class:`RecipeError` naming the recipe and its steps."""
+    from eqjax.qarray import is_quantized  # noqa: PLC0415
+
+    if not any(_quantizing_step(s) for s in recipe.steps):
+        return
+    if any(is_quantized(v) and not is_quantized(before.get(p)) for p, v in after.items()):
+        return
+    names = [getattr(s, "name", type(s).__name__) for s in recipe.steps]
+    raise RecipeError(f"recipe quantized nothing (recipe {recipe.name!r}, steps {names}): expected at least one param "
+                      "quantized, found every param left as it was (its rules select no param of the role they name, "
+                      "or only skip = true)")
+
+
+def check_rule_patterns(recipe: "Recipe", paths: list[str]) -> None:
+    """Before any step runs: every rule pattern (and step ``pattern``) of the steps up to the first one that
+    may add params (a rotation) must match at least one param path, else a :class:`RecipeError` naming the
+    pattern and the step."""
+    import re  # noqa: PLC0415
+
+    for i, step in enumerate(recipe.steps):
+        if getattr(step, "then", None) is not None:
+            return  # a rotation adds params (an untied LM head): later patterns may name them
+        name = getattr(step, "name", type(step).__name__)
+        patterns = [getattr(r, "pattern", None) for r in getattr(step, "rules", None) or ()]
+        patterns.append(getattr(step, "pattern", None))
+        for pat in (p for p in patterns if isinstance(p, str)):
+            if not any(re.fullmatch(pat, p) for p in paths):
+                raise RecipeError(f"rule matches no parameter (recipe {recipe.name!r}, step {i} {name!r}, pattern "
+                                  f"{pat!r}): expected a pattern matching at least one param path (e.g. "
+                                  f"{paths[0]!r}), found none")
 
 
 def model_context(model: Any, params: Params, calibration: Any = None, *, example: Any = None,
@@ -178,6 +265,7 @@ def model_context(model: Any, params: Params, calibration: Any = None, *, exampl
 
     if model is None:
         return Context(template=params, seed=seed, progress=progress)
+    check_model_arg(model, "model= of eqjax.quantize(params, recipe, model=...)")
     if hasattr(model, "apply") and hasattr(model, "config") and hasattr(model, "layer_names"):
         fn = _model_logits(model)
         batches = None if calibration is None else window_batches(calibration)
@@ -313,13 +401,36 @@ def load_recipe(path: str | pathlib.Path) -> Recipe:
         raise RecipeError(f"recipe file does not parse ({p}): {e}") from None
     except RecursionError:
         raise RecipeError(f"recipe file does not parse ({p}): nested too deeply") from None
-    return recipe_from_dict(d, source=str(p))
+    recipe = recipe_from_dict(d, source=str(p))
+    check_quantizes(d, str(p))
+    return recipe
+
+
+_TRANSFORM_METHODS = frozenset({"smoothquant", "awq"})
+"""Step methods that only transform float params (quantizing nothing themselves)."""
+
+
+def _quantizing(step: Mapping[str, Any]) -> bool:
+    if step.get("method") == "rotation":
+        return any(isinstance(t, Mapping) and _quantizing(t) for t in step.get("then") or ())
+    return step.get("method") not in _TRANSFORM_METHODS
+
+
+def check_quantizes(d: Mapping[str, Any], source: str) -> None:
+    """A recipe file must quantize something: a step that quantizes (not only ``smoothquant`` / ``awq`` /
+    a rotation without ``then``) or a ``kv`` table; else a :class:`RecipeError` naming the file."""
+    steps = [s for s in d.get("steps") or () if isinstance(s, Mapping)]
+    if d.get("kv") is None and not any(_quantizing(s) for s in steps):
+        found = ", ".join(str(s.get("method")) for s in steps) or "no steps"
+        raise RecipeError(f"recipe quantizes nothing ({source}: steps): expected a quantizing step (rtn, gptq, "
+                          f"rtn_search, signround, zeroquant_lkd, half, rotation with then) or a [kv] table, found "
+                          f"{found}")
 
 
 # ------------------------------------------------------------------------------------ the entry point
 def quantize(
     params: Params,
-    recipe: Recipe,
+    recipe: Recipe | str,
     *,
     model: Any = None,
     calibration: Any = None,
@@ -328,32 +439,46 @@ def quantize(
     seed: int = 0,
     progress: bool = False,
     context: Context | None = None,
+    require_quantized: bool = True,
 ) -> Params:
     """Run ``recipe``'s steps in order on ``params``; returns the quantized param tree.
+
+    ``recipe``: a :class:`Recipe`, a built-in recipe name or a recipe file path. Wrong argument types
+    (params not a dict of arrays, a recipe of another type, a PyTorch model) and rule patterns matching
+    no param are :class:`~eqjax.errors.InputError` s naming the argument, raised before any step runs.
 
     ``model``: eqjax's own ``Model`` (``calibration``: token windows ``[n, T]``) or the model's call
     ``fn(params, *args)`` (``calibration``: an iterable of argument tuples; ``example``: one argument
     tuple to trace with when there is no calibration). Without a model only name rules with
     explicit axes can run.
 
+    ``require_quantized``: a recipe with a quantizing step (RTN, GPTQ, grid search, SignRound, LKD) that
+    leaves every param as it was (its rules select no param of their role, or only skip) is a
+    :class:`RecipeError` (a float model must not pass under the recipe's name).
+
     Checked around the steps (:mod:`eqjax.schema`): a NaN/Inf or integer parameter going in is a
     :class:`~eqjax.schema.NonFiniteParamsError` / CompatibilityError naming the parameter path and the
     first bad index; one coming out (the recipe made it) is a :class:`~eqjax.errors.NonFiniteResult`.
     """
     from eqjax.errors import NonFiniteError, NonFiniteResult  # noqa: PLC0415
-    from eqjax.pytree import flatten_with_paths, unflatten_paths  # noqa: PLC0415
+    from eqjax.pytree import flatten_with_paths  # noqa: PLC0415
     from eqjax.schema import NonFiniteParamsError, check_params, check_recipe_fits  # noqa: PLC0415
 
+    check_params_arg(params, "params of eqjax.quantize(params, recipe, ...)")
+    recipe = resolve_recipe(recipe, "recipe of eqjax.quantize(params, recipe, ...)")
     check_params(params, "params given to quantize", nonfinite=NonFiniteParamsError)
     check_recipe_fits(recipe, params)
+    paths, leaves, _ = flatten_with_paths(params)
+    check_rule_patterns(recipe, paths)
     ctx = context or model_context(model, params, calibration, example=example, blocks=blocks, seed=seed,
                                    progress=progress)
-    paths, leaves, _ = flatten_with_paths(params)
     flat = dict(zip(paths, leaves))
     for step in recipe.steps:
         t0 = time.perf_counter()
         flat = step(flat, ctx)
         log.info("recipe %s: step %s took %.2fs", recipe.name, step.name, time.perf_counter() - t0)
+    if require_quantized:
+        check_quantized_something(recipe, dict(zip(paths, leaves)), flat)
     out = with_paths(params, flat)
     if recipe.steps:
         try:

@@ -166,10 +166,10 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
         _gptq(bits=4, pattern=_LAYERS, grid="search")),
 }
 
-# ---- issue 13: searched grids (:mod:`eqjax.methods.grid`) and learned rounding
+# ---- searched grids (:mod:`eqjax.methods.grid`) and learned rounding
 # (:mod:`eqjax.methods.signround`); same stored layout and bytes as the RTN / GPTQ recipes above.
 _G128 = dict(group_size=128)
-ISSUE13: dict[str, Callable[[], Recipe]] = {
+SEARCHED_AND_LEARNED: dict[str, Callable[[], Recipe]] = {
     "w4g128-rtn-search": lambda: Recipe("w4g128-rtn-search", (_search(bits=4),),
                                         "W4 asymmetric g128, grid per group searched (H-weighted output error)"),
     "w4g128-rtn-search-sym": lambda: Recipe("w4g128-rtn-search-sym", (_search(bits=4, symmetric=True),),
@@ -199,7 +199,7 @@ ISSUE13: dict[str, Callable[[], Recipe]] = {
     "w3g128-awq-signround": lambda: Recipe("w3g128-awq-signround", (_awq(bits=3, clip=False), _signround(bits=3)),
                                            "AWQ scales, then SignRound W3 asymmetric g128 (<= 200 iters/block within 20 min, searched init)"),
 }
-RECIPES.update(ISSUE13)
+RECIPES.update(SEARCHED_AND_LEARNED)
 
 
 def _search(**kw):
@@ -271,6 +271,10 @@ def with_embedding(recipe: Recipe, kind: str) -> Recipe:
 
     from eqjax.methods.halffloat import HalfFloats  # noqa: PLC0415
 
+    had = [s.name for s in recipe.steps if str(getattr(s, "name", "")).startswith("embedding-")]
+    if had:
+        raise RecipeError(f"conflicting embedding options (recipe {recipe.name!r}): expected one embedding step, "
+                          f"found {had[0]!r} and another, emb-{kind}")
     steps, tail = list(recipe.steps), []
     while steps and isinstance(steps[-1], HalfFloats):
         tail.insert(0, steps.pop())
@@ -292,20 +296,69 @@ def with_half_floats(recipe: Recipe, kind: str) -> Recipe:
                                steps=tuple(recipe.steps) + (HalfFloats(HALF_KINDS[kind]),))
 
 
-def get_recipe(name: str) -> Recipe:
-    """The built-in recipe ``name`` (optionally ``+emb-int8`` / ``+emb-int4`` / ``+emb-w7a8``, then
-    optionally ``+f16`` / ``+bf16``), or a recipe file path."""
-    if name in RECIPES:
-        return RECIPES[name]()
-    base, sep, kind = name.rpartition("+")
-    if sep and kind in ("f16", "bf16") and base:
-        return with_half_floats(get_recipe(base), kind)
-    base, sep, kind = name.rpartition("+emb-")
-    if sep and base in RECIPES:
-        return with_embedding(RECIPES[base](), kind)
-    if name.endswith((".toml", ".json")):
-        from eqjax.recipe import load_recipe  # noqa: PLC0415
+HALF_SUFFIXES = ("f16", "bf16")
+SUFFIXES = tuple(f"emb-{k}" for k in EMBEDDINGS) + HALF_SUFFIXES
 
-        return load_recipe(name)
+
+def _is_file(name: str) -> bool:
+    return name.endswith((".toml", ".json"))
+
+
+def split_suffixes(name: str) -> tuple[str, list[str]]:
+    """``(base, suffixes)`` of a recipe name: the longest ``+``-separated prefix that is a built-in recipe or
+    a recipe file, and the suffixes after it (``"w8+emb-int8+f16"`` -> ``("w8", ["emb-int8", "f16"])``).
+    A :class:`RecipeError` when no prefix is a recipe."""
+    parts = name.split("+")
+    for i in range(len(parts), 0, -1):
+        base = "+".join(parts[:i])
+        if base in RECIPES or _is_file(base):
+            return base, parts[i:]
     raise RecipeError(f"unknown recipe {name!r}; built-in: {', '.join(RECIPES)}, each optionally with "
                       f"+emb-int8 / +emb-int4 / +emb-w7a8, then +f16 / +bf16 (or a .toml/.json file)")
+
+
+def check_suffixes(name: str, suffixes: list[str]) -> None:
+    """Refuse unknown, repeated, conflicting or misordered suffixes (at most one ``+emb-*``, then at most
+    one ``+f16`` / ``+bf16``), naming them."""
+    where = f"recipe {name!r}"
+    for sfx in suffixes:
+        if sfx.startswith("emb-") and sfx not in SUFFIXES:
+            embedding_rule_dict(sfx[len("emb-"):])  # names the embedding options
+        if sfx not in SUFFIXES:
+            raise RecipeError(f"unknown recipe suffix ({where}): expected "
+                              f"{' / '.join('+emb-' + k for k in EMBEDDINGS)}, then +f16 / +bf16, found {'+' + sfx!r}")
+    dup = next((x for i, x in enumerate(suffixes) if x in suffixes[:i]), None)
+    if dup is not None:
+        raise RecipeError(f"repeated recipe suffix ({where}): expected each suffix once, found {'+' + dup!r} twice")
+    for kind, group in (("embedding", [x for x in suffixes if x.startswith("emb-")]),
+                        ("float storage", [x for x in suffixes if x in HALF_SUFFIXES])):
+        if len(group) > 1:
+            raise RecipeError(f"conflicting recipe suffixes ({where}): expected at most one {kind} suffix, found "
+                              + " and ".join(repr("+" + x) for x in group))
+    if len(suffixes) == 2 and suffixes[0] in HALF_SUFFIXES:
+        raise RecipeError(f"misordered recipe suffixes ({where}): expected +emb-* before +f16 / +bf16, found "
+                          f"'+{suffixes[0]}' before '+{suffixes[1]}'")
+
+
+def get_recipe(name: str) -> Recipe:
+    """The built-in recipe ``name`` (optionally ``+emb-int8`` / ``+emb-int4`` / ``+emb-w7a8``, then
+    optionally ``+f16`` / ``+bf16``), or a recipe file path (with the same optional suffixes).
+
+    Unknown, repeated (``w8+f16+f16``), conflicting (``w8+f16+bf16``, ``+emb-int8+emb-int4``) or
+    misordered suffixes are a :class:`RecipeError` naming them."""
+    if not isinstance(name, str):
+        raise RecipeError(f"bad recipe name (recipe): expected a string, found {type(name).__name__} {repr(name)[:60]}")
+    if not name.strip():
+        raise RecipeError(f"empty recipe name (recipe): expected a built-in name ({', '.join(list(RECIPES)[:4])}, ...) "
+                          f"or a .toml/.json file, found {name!r}")
+    base, suffixes = split_suffixes(name)
+    check_suffixes(name, suffixes)
+    if base in RECIPES:
+        recipe = RECIPES[base]()
+    else:
+        from eqjax.recipe import load_recipe  # noqa: PLC0415
+
+        recipe = load_recipe(base)
+    for sfx in suffixes:
+        recipe = with_half_floats(recipe, sfx) if sfx in HALF_SUFFIXES else with_embedding(recipe, sfx[len("emb-"):])
+    return recipe

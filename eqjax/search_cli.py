@@ -7,15 +7,114 @@ Kept apart from :mod:`eqjax.search` so that the imports go one way: search_cli -
 
 from __future__ import annotations
 
+import argparse
+import math
 import pathlib
-import sys
-from typing import Any
+from typing import Any, Callable
 
+from eqjax.errors import InputError
 from eqjax.pareto import evaluate_pareto, plot_pareto
-from eqjax.search import DEFAULT_CANDIDATES, METHODS, PROXIES, BudgetError, Candidate, search
+from eqjax.recipe import RecipeError
+from eqjax.recipes import get_recipe
+from eqjax.search import DEFAULT_CANDIDATES, METHODS, PROXIES, Candidate, search
 from eqjax.sensitivity import validate_proxy
 
-__all__ = ["add_search_args", "search_main", "pareto_markdown"]
+__all__ = ["add_search_args", "search_main", "pareto_markdown", "check_search_args", "pareto_bits_list",
+           "kl_ref_bits_list", "embedding_list", "baselines_list"]
+
+KNOWN_BASELINES = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
+EMBEDDING_OPTIONS = ("int8", "int4", "f16", "bf16")
+WIDTHS = tuple(sorted({c.bits for c in DEFAULT_CANDIDATES}))
+
+
+def _items(text: str, expected: str) -> list[str]:
+    """The comma-separated entries of ``text`` (stripped); an empty entry is an ArgumentTypeError."""
+    items = [x.strip() for x in str(text).split(",")]
+    if not str(text).strip():
+        return []
+    if any(not x for x in items):
+        raise argparse.ArgumentTypeError(f"expected {expected}, found an empty entry in {text!r}")
+    dup = next((x for i, x in enumerate(items) if x in items[:i]), None)
+    if dup is not None:
+        raise argparse.ArgumentTypeError(f"expected {expected}, each once, found {dup!r} twice in {text!r}")
+    return items
+
+
+def pareto_bits_list(text: str) -> tuple[float, ...]:
+    """``--pareto-bits``: comma-separated average bit widths in (0, 32] (empty: no Pareto points)."""
+    what = "comma-separated numbers of bits in (0, 32]"
+    out = []
+    for x in _items(text, what):
+        try:
+            v = float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {x!r}") from None
+        if not (math.isfinite(v) and 0 < v <= 32):
+            raise argparse.ArgumentTypeError(f"expected {what}, found {x!r}")
+        out.append(v)
+    return tuple(out)
+
+
+def kl_ref_bits_list(text: str) -> tuple[int, ...]:
+    """``--kl-ref-bits``: comma-separated candidate widths (at least one)."""
+    what = f"comma-separated candidate widths among {', '.join(map(str, WIDTHS))}"
+    items = _items(text, what)
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}")
+    bad = next((x for x in items if not x.isdigit() or int(x) not in WIDTHS), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"expected {what}, found {bad!r}")
+    return tuple(int(x) for x in items)
+
+
+def embedding_list(text: str) -> tuple[str, ...]:
+    """``--embedding``: comma-separated options among int8, int4, f16, bf16, or ``none`` / empty."""
+    if str(text).strip() in ("", "none"):
+        return ()
+    what = f"comma-separated options among {', '.join(EMBEDDING_OPTIONS)} (or none)"
+    items = _items(text, what)
+    bad = next((x for x in items if x not in EMBEDDING_OPTIONS), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"expected {what}, found {bad!r}")
+    return tuple(items)
+
+
+def baselines_list(text: str) -> tuple[str, ...]:
+    """``--baselines``: comma-separated uniform baselines (w4g128a, w3g128a, w8pc) or built-in recipe names."""
+    what = f"comma-separated {', '.join(KNOWN_BASELINES)} or built-in recipe names"
+    items = _items(text, what)
+    for b in items:
+        if b in KNOWN_BASELINES:
+            continue
+        try:
+            ok = not b.endswith((".toml", ".json")) and get_recipe(b) is not None
+        except RecipeError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected {what} (optionally +emb-int8 / +emb-int4), found {b!r}")
+    return tuple(items)
+
+
+_LISTS: dict[str, Callable[[str], tuple]] = {"pareto_bits": pareto_bits_list, "kl_ref_bits": kl_ref_bits_list,
+                                             "embedding": embedding_list, "baselines": baselines_list}
+
+
+def check_search_args(args: Any) -> None:
+    """Parse the list-valued flags (comma-separated strings) in place and check flags that depend on each
+    other; an :class:`InputError` naming the flag and the bad entry, before any loading."""
+    for dest, parse in _LISTS.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, str):
+            flag = "--" + dest.replace("_", "-")
+            try:
+                setattr(args, dest, parse(value))
+            except argparse.ArgumentTypeError as e:
+                raise InputError(f"bad {flag} {value!r} ({flag}): {e}") from None
+    if getattr(args, "embedding", ()) and getattr(args, "proxy", "kl") != "kl":
+        raise InputError(f"embedding options need --proxy kl (--embedding {','.join(args.embedding)} with --proxy "
+                         f"{args.proxy}): expected --proxy kl or --embedding none, found --proxy {args.proxy}")
+    if (getattr(args, "validate_proxy", 0) or 0) < 0:
+        raise InputError(f"bad --validate-proxy: expected a number of layers >= 0, found {args.validate_proxy}")
 
 
 def pareto_markdown(report: dict[str, Any]) -> str:
@@ -65,7 +164,8 @@ def add_search_args(p: Any) -> Any:
     p.add_argument("--eval-len", type=int, default=512)
     p.add_argument("--validate-proxy", type=int, default=0, metavar="N",
                    help="also measure single-layer KL on N random layers and correlate with the proxies")
-    p.add_argument("--pareto-bits", default="2.5,3,3.5,4,4.5,5,6,8")
+    p.add_argument("--pareto-bits", default="2.5,3,3.5,4,4.5,5,6,8",
+                   help="average bit widths the Pareto curve is sampled at, comma-separated (empty: none)")
     p.add_argument("--baselines", default="w4g128a,w3g128a,w8pc",
                    help="uniform baselines to evaluate, each also against the searched mix at <= its bytes "
                         "(comma-separated: w4g128a, w3g128a, w8pc on the searched kernels, or built-in recipe names; "
@@ -80,53 +180,22 @@ def search_main(args: Any) -> int:
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.io.gguf import load_gguf
     from eqjax.models import Model
-    from eqjax.recipe import RecipeError
-    from eqjax.recipes import get_recipe
 
     def say(s: str) -> None:
         print(f"[search] {s}", flush=True)
 
-    known = {"w4g128a": Candidate(4, 128), "w3g128a": Candidate(3, 128), "w8pc": Candidate(8, None, True)}
-    emb = [] if args.embedding in ("", "none") else str(args.embedding).split(",")
-    bad = [e for e in emb if e not in ("int8", "int4", "f16", "bf16")]
-    if bad or (emb and args.proxy != "kl"):
-        why = f"unknown option {bad[0]!r} (expected int8, int4, f16, bf16 or none)" if bad else "embedding options need --proxy kl"
-        print(f"error: bad --embedding {args.embedding!r}: {why}", file=sys.stderr)
-        return 2
-    try:
-        ref_bits = tuple(int(b) for b in str(args.kl_ref_bits).split(","))
-    except ValueError:
-        ref_bits = ()
-    widths = sorted({c.bits for c in DEFAULT_CANDIDATES})
-    if not ref_bits or any(b not in widths for b in ref_bits):
-        print(f"error: bad --kl-ref-bits {args.kl_ref_bits!r}: expected candidate widths among "
-              f"{', '.join(map(str, widths))}, comma-separated", file=sys.stderr)
-        return 2
-    base = []
-    for b in filter(None, str(args.baselines).split(",")):
-        try:
-            ok = b in known or (not b.endswith((".toml", ".json")) and get_recipe(b) is not None)
-        except RecipeError:
-            ok = False
-        if not ok:
-            print(f"error: bad --baselines entry: expected {', '.join(known)} or a built-in recipe name "
-                  f"(optionally +emb-int8 / +emb-int4), found {b!r}", file=sys.stderr)
-            return 2
-        base.append((f"uniform {b}", known[b]) if b in known else (f"recipe {b}", b))
+    check_search_args(args)  # a no-op for flags already parsed (the CLI checks them before loading)
+    emb, ref_bits, pbits = list(args.embedding), tuple(args.kl_ref_bits), list(args.pareto_bits)
+    base = [(f"uniform {b}", KNOWN_BASELINES[b]) if b in KNOWN_BASELINES else (f"recipe {b}", b) for b in args.baselines]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params, tok = load_gguf(args.model)
     model = Model(cfg)
     cal_ids, eval_ids = wikipedia_tokens(tok)
     cal = calibration_windows(cal_ids, args.calib_windows, args.calib_len, 0)
-    pbits = [float(x) for x in str(args.pareto_bits).split(",") if x]
-    try:
-        res = search(model, params, cal, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
-                     method=args.method, proxy=args.proxy, pareto_bits=pbits, embedding=emb, kl_ref_bits=ref_bits,
-                     progress=say)
-    except BudgetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    res = search(model, params, cal, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,
+                 method=args.method, proxy=args.proxy, pareto_bits=pbits, embedding=emb, kl_ref_bits=ref_bits,
+                 progress=say)  # a BudgetError is an InputError: the CLI prints it and exits 2
     write_json(out / "rules.json", res.recipe_dict())
     say(f"wrote {out / 'rules.json'} (load with --recipe {out / 'rules.json'})")
     report: dict[str, Any] = {"budget_bits": args.budget_bits, "budget_bytes": args.budget_bytes,

@@ -239,3 +239,69 @@ def test_embedding_w7a8_quantizes_a_tied_heads_activations():
     np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5 * np.abs(oracle).max())
     # not the weight-only head: the int8 activations move the logits
     assert np.abs(got - x @ (iv * ws[0, 0][:, None]).T).max() > 1e-4 * np.abs(oracle).max()
+
+
+@pytest.mark.parametrize("name, match", [
+    ("w8+f16+bf16", r"conflicting recipe suffixes \(recipe 'w8\+f16\+bf16'\).*'\+f16' and '\+bf16'"),
+    ("w8+f16+f16", r"repeated recipe suffix.*'\+f16' twice"),
+    ("w8+emb-int8+emb-int4", r"conflicting recipe suffixes.*'\+emb-int8' and '\+emb-int4'"),
+    ("w8+emb-int8+emb-int8+f16", r"repeated recipe suffix.*'\+emb-int8' twice"),
+    ("w8+f16+emb-int8", r"misordered recipe suffixes.*'\+f16' before '\+emb-int8'"),
+    ("w8+f17", r"unknown recipe suffix.*'\+f17'"),
+    ("w8+", r"unknown recipe suffix.*'\+'"),
+    ("", r"empty recipe name"),
+    ("w9+f16", r"unknown recipe 'w9\+f16'"),
+])
+def test_recipe_suffixes_refused(name, match):
+    with pytest.raises(RecipeError, match=match):
+        get_recipe(name)
+
+
+def test_recipe_suffixes_accepted_and_applied_once(tmp_path):
+    from eqjax.methods.halffloat import HalfFloats
+
+    r = get_recipe("w8+emb-int8+bf16")
+    assert r.name == "w8+emb-int8+bf16" and [s.name for s in r.steps] == ["rtn", "embedding-int8", "half-floats"]
+    assert sum(isinstance(s, HalfFloats) for s in r.steps) == 1
+    f = tmp_path / "a+b" / "r.toml"  # a '+' in a directory name is part of the path, not a suffix
+    f.parent.mkdir()
+    f.write_text('name = "mine"\n[[steps]]\nmethod = "rtn"\n[[steps.rules]]\npattern = ".*"\nrole = "matmul"\n')
+    assert get_recipe(str(f)).name == "mine"
+    assert get_recipe(f"{f}+f16").name == "mine+f16"
+    with pytest.raises(RecipeError, match="conflicting embedding options"):
+        from eqjax.recipes import with_embedding
+
+        with_embedding(get_recipe("w8+emb-int4"), "int8")
+
+
+def test_rules_that_select_nothing_are_errors_naming_pattern_and_step(tiny):
+    model, params = tiny
+    spec = QuantSpec(8, True, per_channel(-1))
+    typo = Recipe("typo", (RTN((Rule(r"decoder/.*", spec),), name="mine"),))
+    with pytest.raises(RecipeError, match=r"rule matches no parameter \(recipe 'typo', step 0 'mine', pattern "
+                                          r"'decoder/\.\*'\)"):
+        quantize(params, typo, model=model)
+    shadowed = Recipe("s", (RTN((Rule(".*", QuantSpec(8, True, per_channel(-1)), role="matmul"),
+                                 Rule(r"layers_0/.*", QuantSpec(4, True, per_channel(-1)), role="matmul"))),))
+    with pytest.raises(InputError, match=r"rule is shadowed \(step 'rtn', rule 'layers_0/\.\*'\).*earlier rule '\.\*'"):
+        quantize(params, shadowed, model=model)
+    only_skip = Recipe("skip", (RTN((Rule(".*", None),)),))
+    with pytest.raises(RecipeError, match=r"recipe quantized nothing \(recipe 'skip'"):
+        quantize(params, only_skip, model=model)
+    wrong_role = Recipe("role", (RTN((Rule("embed/.*", spec, role="matmul"),)),))  # the tied table is not a matmul
+    with pytest.warns(UnusedRuleWarning), pytest.raises(RecipeError, match="recipe quantized nothing"):
+        quantize(params, wrong_role, model=model)
+
+
+@pytest.mark.parametrize("body, match", [
+    ('steps = []\n', r"quantizes nothing \(.*r\.toml: steps\).*found no steps"),
+    ('[[steps]]\nmethod = "smoothquant"\n', r"quantizes nothing.*found smoothquant"),
+    ('[[steps]]\nmethod = "awq"\n[[steps]]\nmethod = "rotation"\n', r"quantizes nothing.*found awq, rotation"),
+])
+def test_recipe_file_that_cannot_quantize_is_refused_on_load(tmp_path, body, match):
+    p = tmp_path / "r.toml"
+    p.write_text('name = "r"\n' + body)
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(p)
+    p.write_text('name = "r"\n' + body.replace("steps = []\n", "steps = []\n") + "[kv]\nbits = 8\n")
+    assert load_recipe(p).kv is not None  # a KV-cache table is something to quantize

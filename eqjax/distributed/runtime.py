@@ -25,12 +25,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from eqjax.errors import RuntimeFailure
+from eqjax.errors import InputError, RuntimeFailure
 
 __all__ = [
     "DistributedError", "DistributedInfo", "init_distributed", "add_distributed_args", "init_from_args",
     "finish", "shutdown_distributed", "is_main_process", "process_count", "write_once", "barrier", "broadcast_str",
-    "kv_client", "set_stage", "collective_failure", "DEFAULT_TIMEOUT_S",
+    "kv_client", "set_stage", "collective_failure", "DEFAULT_TIMEOUT_S", "check_distributed_args", "is_multi_process",
 ]
 
 log = logging.getLogger("eqjax")
@@ -190,6 +190,67 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--model-parallel", type=int, default=1, metavar="M",
                    help="shard weights M ways along the mesh's 'model' axis (default 1: data-parallel only)")
     return parser
+
+
+def check_distributed_args(args: argparse.Namespace) -> None:
+    """Bad multi-process flags (or EQJAX_*/JAX_* variables) are input errors, before jax.distributed starts."""
+    if not hasattr(args, "num_processes"):
+        return
+
+    def env(*names: str) -> str | None:
+        for n in names:
+            v = os.environ.get(n)
+            if v not in (None, ""):
+                return v
+        return None
+
+    def as_int(value: Any, flag: str, names: tuple[str, ...]) -> int | None:
+        if value is not None:
+            return value
+        raw = env(*names)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise InputError(f"bad {flag} ({'/'.join(names)}): expected an integer, found {raw!r}") from None
+
+    coord = args.coordinator if args.coordinator is not None else env("EQJAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
+    n = as_int(args.num_processes, "--num-processes", ("EQJAX_NUM_PROCESSES", "JAX_NUM_PROCESSES"))
+    pid = as_int(args.process_id, "--process-id", ("EQJAX_PROCESS_ID", "JAX_PROCESS_ID"))
+    timeout = as_int(getattr(args, "dist_timeout", None), "--dist-timeout", ("EQJAX_DIST_TIMEOUT",))
+    if timeout is not None and timeout < 1:
+        raise InputError(f"bad distributed timeout (--dist-timeout): expected seconds >= 1, found {timeout}")
+    mp = getattr(args, "model_parallel", 1)
+    if mp is not None and mp < 1:
+        raise InputError(f"bad model-parallel size (--model-parallel): expected an integer >= 1, found {mp}")
+    if n is not None and n < 1:
+        raise InputError(f"bad number of processes (--num-processes): expected an integer >= 1, found {n}")
+    if pid is not None and pid < 0:
+        raise InputError(f"bad process id (--process-id): expected an integer >= 0, found {pid}")
+    if coord is None and n in (None, 1) and pid in (None, 0):
+        return  # single process
+    if n is not None and pid is not None and pid >= n:
+        raise InputError(f"process id out of range (--process-id vs --num-processes {n}): expected 0..{n - 1}, found {pid}")
+    missing = [f for f, v in (("--coordinator", coord), ("--num-processes", n), ("--process-id", pid)) if v is None]
+    if missing:
+        raise InputError(
+            f"incomplete multi-process flags ({', '.join(missing)}): expected --coordinator, --num-processes and "
+            "--process-id together (or EQJAX_COORDINATOR/EQJAX_NUM_PROCESSES/EQJAX_PROCESS_ID), found them missing"
+        )
+    host, sep, port = str(coord).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise InputError(f"malformed coordinator address (--coordinator): expected host:port with port 1..65535, found {coord!r}")
+
+
+def is_multi_process(args: argparse.Namespace) -> bool:
+    """Multi-process flags or variables are given (already checked by :func:`check_distributed_args`)."""
+    if not hasattr(args, "num_processes"):
+        return False
+    env = os.environ.get
+    coord = args.coordinator or env("EQJAX_COORDINATOR") or env("JAX_COORDINATOR_ADDRESS")
+    n = args.num_processes if args.num_processes is not None else (env("EQJAX_NUM_PROCESSES") or env("JAX_NUM_PROCESSES"))
+    return bool(coord) or (n not in (None, "") and int(n) > 1)
 
 
 def init_from_args(args: argparse.Namespace) -> DistributedInfo:

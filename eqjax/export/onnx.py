@@ -34,7 +34,7 @@ from eqjax.recipes import EMBEDDINGS
 
 __all__ = ["ExportError", "OPSET", "W8A8_ZERO_POINT", "w8a8_weight_codes", "make_session", "build_model",
            "export_function", "function_graph", "linear_graph", "onnx_logits", "onnx_perplexity", "add_export_args",
-           "export_main", "EMBEDDING_CHOICES"]
+           "export_main", "EMBEDDING_CHOICES", "check_context_length", "recipe_for_export"]
 
 
 def build_model(model: Any, params: Mapping[str, Any], *, accuracy_level: int | None = 0, fuse: bool = True,
@@ -169,7 +169,28 @@ def recipe_for_export(name: str, embedding: str = "recipe") -> Any:
 
     recipe = get_recipe(name)
     check_recipe(recipe)
-    return recipe if embedding == "recipe" else with_embedding(recipe, embedding)
+    if embedding == "recipe":
+        return recipe
+    if any(str(getattr(s, "name", "")).startswith("embedding-") for s in recipe.steps):
+        raise ExportError(f"conflicting embedding options (--embedding {embedding} vs --recipe {name}): expected the "
+                          "embedding set once, found it in the recipe as well (drop --embedding or the +emb- suffix)")
+    return with_embedding(recipe, embedding)
+
+
+def check_context_length(model_path: str | None, context_length: int | None) -> None:
+    """Refuse ``--context-length`` above the model's trained context (the GGUF header's
+    ``llama.context_length``, read without loading the weights), naming the flag and the model's value."""
+    if context_length is None:
+        return
+    from eqjax.errors import CompatibilityError  # noqa: PLC0415
+    from eqjax.io.gguf import default_model_path, read_metadata  # noqa: PLC0415
+
+    src = model_path or default_model_path()
+    meta = read_metadata(src, tokenizer=False)
+    mx = int(meta.get(f"{meta.get('general.architecture', 'llama')}.context_length") or 2048)
+    if context_length > mx:
+        raise CompatibilityError(f"context length above the model's (--context-length vs {src}: context_length): "
+                                 f"expected <= {mx}, found {context_length}")
 
 
 def export_main(args: Any) -> int:

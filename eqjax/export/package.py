@@ -116,7 +116,11 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
 
     c = model.config
     L, Hkv, hd = c.n_layers, c.n_kv_heads, c.head_dim
-    context_length = int(context_length or getattr(c, "max_position_embeddings", 0) or getattr(c, "n_positions", 2048))
+    max_pos = int(getattr(c, "max_position_embeddings", 0) or getattr(c, "n_positions", 0) or 0)
+    if context_length is not None and max_pos and context_length > max_pos:
+        raise ExportError(f"context length above the model's (context_length vs max_position_embeddings): expected "
+                          f"<= {max_pos}, found {context_length}")
+    context_length = int(context_length or max_pos or 2048)
     b, t, s = jexport.symbolic_shape("batch, seq, cache", constraints=["cache >= seq"])
     args = (jax.ShapeDtypeStruct((b, t), np.int32), jax.ShapeDtypeStruct((L, b, Hkv, s, hd), np.float32),
             jax.ShapeDtypeStruct((L, b, Hkv, s, hd), np.float32), jax.ShapeDtypeStruct((), np.int32))

@@ -424,12 +424,17 @@ class GPTQ:
     def targets(self, params: Mapping[str, Any], ctx: Any) -> tuple[Any, dict[str, QuantSpec]]:
         """The calibrator and ``{path: stored format}`` of the still-float matmul weights this step
         quantizes (``spec()`` for all, or each one's first matching rule); InputError if none."""
-        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
+        from eqjax.methods.rtn import step_targets, unused_rule_error  # noqa: PLC0415
 
         cal, paths = step_targets(self, params, ctx)
         if not self.rules:
             return cal, {p: self.spec() for p in paths}
-        chosen, _ = assign({p: params[p] for p in paths}, self.rules, cal.analysis.roles)
+        chosen, unused = assign({p: params[p] for p in paths}, self.rules, cal.analysis.roles)
+        for rule in unused:
+            err = unused_rule_error(self.name, rule, sorted(paths), chosen, "float matmul weight",
+                                    roles=cal.analysis.roles)
+            if err is not None:
+                raise err
         specs = {p: r.weight for p, r in chosen.items() if r.weight is not None}
         if not specs:
             raise InputError(f"{self.name}: no rule with a weight format matches a float matmul weight "

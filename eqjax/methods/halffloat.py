@@ -53,6 +53,9 @@ class HalfFloats:
 
     def __call__(self, params: Mapping[str, Any], ctx: Any = None) -> dict[str, Any]:
         rx = re.compile(self.pattern)
+        if not any(rx.fullmatch(p) for p in params):
+            raise InputError(f"pattern matches no parameter (step {self.name!r}, pattern {self.pattern!r}): expected "
+                             f"a pattern matching at least one param path, found none")
         out = dict(params)
         for path, leaf in params.items():
             if (is_quantized(leaf) or not rx.fullmatch(path) or not hasattr(leaf, "dtype")

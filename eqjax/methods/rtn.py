@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import warnings
 from typing import Any, Mapping
 
@@ -65,15 +66,46 @@ def step_targets(step: Any, params: Mapping[str, Any], ctx: Any) -> tuple[Any, s
     return cal, targets
 
 
+def unused_rule_error(step: str, rule: Rule, paths: Any, chosen: Mapping[str, Rule],
+                      what: str = "parameter", roles: Mapping[str, Any] | None = None) -> InputError | None:
+    """The error for ``rule`` of ``step`` that selected nothing: its pattern matches no path of ``paths``
+    (a typo), or every path it matches with its role (``roles``: path -> Role) went to an earlier rule (a
+    dead rule). None when it matched paths of another role only (a role rule on a model without such
+    params: a warning, not an error)."""
+    named = [p for p in paths if re.fullmatch(rule.pattern, p)]
+    if named and rule.role != "any":
+        named = [p for p in named if roles is not None and getattr(roles.get(p), "kind", "other") == rule.role]
+        if not named:
+            return None
+    where = f"step {step!r}, rule {rule.pattern!r}"
+    if not named:
+        example = next(iter(paths), None)
+        return InputError(f"rule matches no {what} ({where}): expected a pattern matching at least one param "
+                          f"path{f' (e.g. {example!r})' if example else ''}, found none")
+    if all(p in chosen for p in named):
+        return InputError(f"rule is shadowed ({where}): expected it to select a {what}, found all its "
+                          f"{len(named)} match(es) (e.g. {named[0]!r}) taken by the earlier rule "
+                          f"{chosen[named[0]].pattern!r}")
+    return None
+
+
 def quantize_by_rules(params: Mapping[str, Any], rules: tuple[Rule, ...], ctx: Any = None, *,
-                      warn_unused: bool = True, step: str = "rtn", report: bool = True) -> dict[str, Any]:
+                      warn_unused: bool = True, step: str = "rtn", report: bool = True,
+                      strict: bool = False) -> dict[str, Any]:
     """Quantize every param (by path) whose first matching rule has a weight spec.
 
     ``ctx`` (a :class:`~eqjax.recipe.Context`) gives the model's analysis (roles, layouts); with
-    ``report`` what was done is appended to ``ctx.report``.
+    ``report`` what was done is appended to ``ctx.report``. ``strict``: a rule whose pattern matches no
+    param path, or whose matches all went to earlier rules, is an :class:`InputError` naming the step and
+    the pattern (:func:`unused_rule_error`); other rules that matched nothing (another role) are an
+    :class:`UnusedRuleWarning` when ``warn_unused``.
     """
     an = None if ctx is None else ctx.analysis
     chosen, unused = assign(params, rules, None if an is None else an.roles)
+    for rule in unused if strict else ():
+        err = unused_rule_error(step, rule, list(params), chosen, roles=None if an is None else an.roles)
+        if err is not None:
+            raise err
     if unused and warn_unused:
         warnings.warn("rules matched no parameter: " + ", ".join(repr(r.pattern) for r in unused),
                       UnusedRuleWarning, stacklevel=2)
@@ -115,7 +147,7 @@ class RTN:
     needs_calibration = False
 
     def __call__(self, params: Mapping[str, Any], ctx: Any = None) -> dict[str, Any]:
-        return quantize_by_rules(params, self.rules, ctx, step=self.name)
+        return quantize_by_rules(params, self.rules, ctx, step=self.name, strict=True)
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "RTN":

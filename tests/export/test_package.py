@@ -140,6 +140,31 @@ def test_unrepresentable_recipes_are_refused_before_work(name, match):
         recipe_for_export(name)
 
 
+def test_context_length_above_the_models_is_refused_before_work(tiny, tmp_path):
+    """``context_length`` beyond ``max_position_embeddings`` would be written into genai_config: refused
+    (API: before tracing; CLI: from the GGUF header, before loading the weights), nothing written."""
+    from eqjax.errors import CompatibilityError
+    from eqjax.export.onnx import check_context_length
+
+    model, params, tok = tiny
+    mx = model.config.max_position_embeddings
+    with pytest.raises(ExportError, match=rf"context length above the model's.*expected <= {mx}, found {mx + 1}"):
+        export_package(model, params, tmp_path / "pkg", tokenizer=tok, context_length=mx + 1, check=False)
+    assert not (tmp_path / "pkg").exists()
+    from tests.robustness.robustness_fixtures import write_gguf
+
+    g = write_gguf(tmp_path / "t.gguf")  # context_length 64 in its header
+    check_context_length(str(g), 64)
+    with pytest.raises(CompatibilityError, match=r"--context-length vs .*t\.gguf.*expected <= 64, found 100000"):
+        check_context_length(str(g), 100000)
+
+
+def test_embedding_flag_and_suffix_together_are_refused():
+    with pytest.raises(ExportError, match=r"--embedding int8 vs --recipe w8\+emb-int4"):
+        recipe_for_export("w8+emb-int4", "int8")
+    assert [s.name for s in recipe_for_export("w8+f16", "int8").steps] == ["rtn", "embedding-int8", "half-floats"]
+
+
 def test_a_rotated_recipe_is_checked_inside_its_rotation():
     """A rotation's ``then`` steps are checked like top-level ones (3-bit refused before any work), and
     a rotation the lowering does not cover is refused naming the weight."""

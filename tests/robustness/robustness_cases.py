@@ -36,9 +36,12 @@ from robustness_api import (
     api_fuzz_recipes,
 )
 from robustness_fixtures import Case, Fixtures, Result, write_hf_model
+from robustness_inputs import inputs_cases
 from robustness_kill import (
     kill_atomic_file, kill_checkpoint, kill_onnx, kill_run_then_resume, kill_run_sigint, kill_json_report,
 )
+from robustness_outputs import outputs_cases
+from robustness_recipes import recipes_cases
 from robustness_run import OUTCOMES, run_case, run_cli_inprocess
 
 __all__ = ["OUTCOMES", "Case", "Fixtures", "Result", "catalogue", "run_case"]
@@ -529,5 +532,5 @@ def catalogue() -> list[Case]:
     add(Case("kill: SIGKILL during a JSON result write", T, expect="ok", kill=kill_json_report))
     add(Case("kill: SIGKILL during eqjax run, then --resume", T, expect="ok", kill=kill_run_then_resume, slow=True))
     add(Case("kill: Ctrl-C during eqjax run, then --resume", T, expect="ok", kill=kill_run_sigint, slow=True))
-    return cases
+    return cases + outputs_cases() + inputs_cases() + recipes_cases()
 

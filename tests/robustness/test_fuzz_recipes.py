@@ -115,3 +115,28 @@ def test_float_fields_accept_ints_but_not_bools():
             assert "steps[0].alpha" in str(e)
         else:
             raise AssertionError(f"alpha = {bad!r} accepted")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["w8", "fp", "w4g128-rtn", "kv4", "w9", ""]),
+       st.lists(st.sampled_from(["f16", "bf16", "emb-int8", "emb-int4", "emb-w7a8", "emb-int3", "f17", "", "F16"]),
+                max_size=4))
+def test_any_suffix_combination_is_one_recipe_or_a_recipe_error(base, suffixes):
+    """A recipe name with suffixes is the recipe with each suffix applied once (at most one ``+emb-*``, then at
+    most one ``+f16`` / ``+bf16``), or a one-line RecipeError; never a silently ignored suffix."""
+    from eqjax.methods.halffloat import HalfFloats
+    from eqjax.recipes import get_recipe
+
+    name = "+".join([base, *suffixes])
+    try:
+        r = get_recipe(name)
+    except RecipeError as e:
+        assert "\n" not in str(e)
+        return
+    emb = [s for s in suffixes if s.startswith("emb-")]
+    half = [s for s in suffixes if s in ("f16", "bf16")]
+    assert r.name == name and len(emb) <= 1 and len(half) <= 1 and len(emb) + len(half) == len(suffixes)
+    assert sum(isinstance(s, HalfFloats) for s in r.steps) == len(half)
+    assert sum(str(s.name).startswith("embedding-") for s in r.steps) == len(emb)
+    if half:
+        assert isinstance(r.steps[-1], HalfFloats) and suffixes[-1] in ("f16", "bf16")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax import blockfit
 from eqjax.blockfit import StepBudget, share_budget, shared_jit
 
 
@@ -26,8 +25,6 @@ def test_shared_jit_keeps_the_program_in_use_when_the_cache_is_full():
     """A cache full of other programs (other tests, other methods in the same process) evicts the least
     recently used one, never the program the blocks of a running job are sharing (this used to clear the
     whole cache and compile that program again between two blocks)."""
-    from eqjax import blockfit
-
     def make(c, k):
         return lambda x: jnp.sin(x) * c + k * jnp.cos(x)  # one program per k (a traced literal)
 
@@ -49,15 +46,31 @@ def test_step_budget_without_limit_keeps_the_count():
     assert [b.after(i, jnp.zeros(())) for i in range(1, 8)] == [7] * 7
 
 
-def test_step_budget_fixes_the_count_from_timed_steps():
-    b = StepBudget(10_000, 0.2)
+class FakeClock:
+    """Stands in for the ``time`` module: ``perf_counter`` returns ``now``, which the test advances."""
+
+    def __init__(self, now=0.0):
+        self.now = now
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_step_budget_fixes_the_count_from_timed_steps(monkeypatch):
+    """Injected clock: the first step (the compile) takes 1/4 s, the others 1/16 s (binary fractions:
+    exact). The count is fixed after step 3 from steps 2-3 alone: 3 + (1 - 1/4 - 2/16) / (1/16) = 13
+    steps in a 1 s budget, which spend it exactly. Timing the compile too (3/8 s over 3 steps) would
+    give 3 + (5/8) / (1/8) = 8."""
+    clock = FakeClock()
+    monkeypatch.setattr(blockfit, "time", clock)
+    b = StepBudget(10_000, 1.0)
     out, done, total = jnp.zeros(()), 0, 10_000
     while done < total:
-        time.sleep(0.02)  # each step ~20 ms: about 10 fit in 0.2 s
+        clock.now += 0.25 if done == 0 else 1 / 16
         done += 1
         total = b.after(done, out)
-    assert 3 <= total <= 12, total
-    assert done == total
+    assert total == done == 13
+    assert clock.now == 1.0  # the count spends the budget exactly
 
 
 def test_step_budget_never_below_steps_done_and_exhausted_at_zero():
@@ -68,8 +81,15 @@ def test_step_budget_never_below_steps_done_and_exhausted_at_zero():
     assert StepBudget(100, 0.0).exhausted
 
 
-def test_share_budget_splits_what_is_left():
-    assert share_budget(None, time.perf_counter(), 3) is None
-    t = time.perf_counter()
-    assert 2.9 < share_budget(9.0, t, 3) <= 3.0
-    assert share_budget(1.0, t - 5.0, 2) == 0.0
+def test_share_budget_splits_what_is_left(monkeypatch):
+    assert share_budget(None, 0.0, 3) is None
+    clock = FakeClock(10.0)
+    monkeypatch.setattr(blockfit, "time", clock)
+    assert share_budget(9.0, 10.0, 3) == 3.0  # nothing spent: a third each
+    clock.now = 13.0
+    assert share_budget(9.0, 10.0, 2) == 3.0  # 3 s spent, 6 s over the 2 blocks left
+    clock.now = 16.5
+    assert share_budget(9.0, 10.0, 1) == 2.5
+    assert share_budget(9.0, 10.0, 0) == 2.5  # no block left counts as one
+    clock.now = 20.0
+    assert share_budget(9.0, 10.0, 2) == 0.0  # overspent: nothing, never negative

@@ -244,14 +244,21 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     target (int8 activations, level 4) within 3 % (measured +1.5 %).
 
     W8A8 (SmoothQuant, int8 activations per token) against eqjax's own rounding band
-    (:func:`eqjax.evaluate.rounding_band`): on 256 tokens a last-bit difference anywhere (XLA's fusions on
-    another CPU, onnxruntime's kernels) flips activation codes that propagate, and eqjax's perplexity moves by
-    1.7 % between 1-3 ulp copies of its own params (20.619..20.979 measured on an AVX2-only EPYC, where
-    onnxruntime gave 20.636 and eqjax's unbumped jitted forward 20.979; eqjax's eager forward and onnxruntime
-    agreed bit for bit on every activation code through 4 layers). So the check is: inside that band,
-    widened by its width and 0.5 %, and the band itself under 5 %."""
+    (:func:`eqjax.evaluate.rounding_band`). The integer products are exact on both sides, but the
+    per-token activation scales and the float parts (norms, softmax, RoPE) are not, and a last-bit
+    difference there (XLA's fusions on another CPU, onnxruntime's kernels) flips an int8 activation code
+    now and then; the flips propagate through the layers. So no bound in float32 ulps of the
+    log-likelihood holds: on 256 tokens eqjax's perplexity moves by 1-2 % between 1..8-ulp copies of its
+    own params (20.58..20.89 measured on a 2-core AVX-512 CPU, onnxruntime 20.67; 20.62..20.98 over 0..3
+    ulps on an AVX2-only EPYC, onnxruntime 20.64). onnxruntime's result is one more draw of that noise.
+    The check: eqjax's perplexity and its 1..8-ulp copies (9 draws) give ``[lo, hi]``; onnxruntime's must
+    lie in ``[lo - (hi - lo) / 2, hi + (hi - lo) / 2]``. For 9 exchangeable Gaussian draws the range is
+    about 3.0 sigma wide, so the accepted interval is about 6 sigma wide (3 sigma each side of the
+    centre) and a tenth draw falls outside it with probability 2.3 % (1e6-sample Monte Carlo; 6 % for
+    the earlier 4 draws widened by the full width, whose extra 0.5 % had no derivation). The band itself
+    must stay under 5 %."""
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
-    from eqjax.evaluate import perplexity, rounding_band, within_band
+    from eqjax.evaluate import perplexity, rounding_band
     from eqjax.export.package import export_package
     from eqjax.io.gguf import load_gguf
     from eqjax.recipe import quantize
@@ -264,14 +271,15 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     w4 = quantize(params, get_recipe("w4g128-rtn"), model=model)
     sq = quantize(params, get_recipe("w8a8-smoothquant"), model=model,
                   calibration=calibration_windows(cal_ids, 4, 128, 0))
-    for name, qp, target, tol in (("w4", w4, "cpu", 0.005), ("w8a8", sq, "cpu", 0.005), ("w4", w4, "cpu-int8", 0.03)):
+    for name, qp, target, tol in (("w4", w4, "cpu", 0.005), ("w8a8", sq, "cpu", None), ("w4", w4, "cpu-int8", 0.03)):
         d = export_package(model, qp, tmp_path / f"{name}-{target}", tokenizer=tok, target=target, check=False)
         assert d["accuracy_level"] == (0 if target == "cpu" else 4)
         ort_ppl = onnx_perplexity(make_session(tmp_path / f"{name}-{target}"), win)
         if name == "w8a8":
-            band = rounding_band(model, qp, win)
-            assert max(band) / min(band) - 1 < 0.05, band
-            assert within_band(ort_ppl, band, tol), (name, target, ort_ppl, band)
+            band = rounding_band(model, qp, win, bumps=tuple(range(1, 9)))
+            lo, hi = min(band), max(band)
+            assert hi / lo - 1 < 0.05, band
+            assert lo - (hi - lo) / 2 <= ort_ppl <= hi + (hi - lo) / 2, (name, target, ort_ppl, band)
             continue
         ref = perplexity(model, qp, win).ppl
         assert abs(ort_ppl / ref - 1) < tol, (name, target, ort_ppl, ref)

@@ -29,5 +29,14 @@ def test_smollm2_two_process_quantize_and_eval(tmp_path):
     res = _two(lambda pid: [*ev, "--json", str(tmp_path / f"two{pid}.json")], devices=1)
     assert [rc for rc, _, _ in res] == [0, 0], _show(res)
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two0.json"))
-    assert one["ppl"] == two["ppl"] and 5 < one["ppl"] < 100, (one["ppl"], two["ppl"])
+    assert one["ppl"] == two["ppl"], (one["ppl"], two["ppl"])
     assert not (tmp_path / "two1.json").exists()
+    # against the float model on the same 2 x 512 windows: W4_GPTQ_BAND (10..45 %), derived in
+    # tests/realmodel_bounds.py from the committed GPTQ (+13.8..+23.9 %) and RTN (<= +32.6 %) references
+    from eqjax.evaluate import perplexity
+    from eqjax.experiment import prepare
+    from tests.realmodel_bounds import W4_GPTQ_BAND, delta_pct
+
+    setup = prepare(None, None, ctx=512, eval_tokens=1024, calib_windows=0)
+    fp = perplexity(setup.model, setup.params, setup.eval_windows, batch_size=1).ppl
+    assert W4_GPTQ_BAND[0] < delta_pct(one["ppl"], fp) < W4_GPTQ_BAND[1], (one["ppl"], fp)

@@ -13,6 +13,7 @@ from eqjax.numerics import QuantSpec, fake_quantize
 from eqjax.qarray import per_group, per_input_group
 from eqjax.recipe import Recipe, RecipeError, quantize
 from eqjax.rules import Rule
+from tests.methods.ref_awq import awq_losses, awq_scale
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +51,37 @@ def test_awq_then_rtn_beats_rtn(tiny):
     assert e_awq < e_rtn, (e_awq, e_rtn)
 
 
+def _check_scale_search_against_reference(x, w, s, r, losses, n_grid=20):
+    """The search against the float64 reference (:mod:`tests.methods.ref_awq`): every grid point's loss
+    within the derived float32 bound (:func:`tests.methods.ref_awq.loss_bound`) except where a code or
+    a stored scale sits within float32 rounding of a boundary (counted: none on these layers), the chosen
+    ``r`` the reference's argmin (or within the bound of its minimum), and the scale ``s`` of that ``r``
+    elementwise within ``(max |r ln x_mean| + 6) u`` relative (``x**r`` and its normalization in float32)."""
+    ref, near, bound = awq_losses(w, x, bits=3, group=16, symmetric=False, full_range=False,
+                                  scale_dtype="float16", n_grid=n_grid)
+    assert losses.shape == (n_grid,)
+    assert int(near.sum()) == 0, np.flatnonzero(near)  # no tie on these layers: every point is checked
+    assert np.all(np.abs(losses - ref) <= bound), (losses, ref, bound)
+    best = int(np.argmin(ref))
+    got = round(r * n_grid)  # eqjax's r is exactly one of k / n_grid
+    assert got == best or ref[got] - ref[best] <= bound[best] + bound[got], (r, best / n_grid)
+    assert ref[best] < ref[0] - bound[0] - bound[best]  # the search really moves off plain RTN here
+    x_mean = np.abs(x.astype(np.float64)).mean(0)
+    rho = (np.max(r * np.abs(np.log(x_mean))) + 6) * 2.0**-24
+    np.testing.assert_allclose(np.asarray(s, np.float64), awq_scale(x_mean, r), rtol=2 * rho, atol=0)
+
+
 @pytest.mark.parametrize("n_in", [32, 40])
 def test_search_scale_and_clip_reduce_layer_error(n_in):
     """n_in 40 with groups of 16: a short last group of 8 (as SmolLM2's 576 with 128)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, n_in)).astype(np.float32) * np.where(np.arange(n_in) < 2, 30.0, 1.0)
     w = rng.normal(size=(n_in, 16)).astype(np.float32)
-    h = x.T @ x / len(x)
+    h = x.astype(np.float64).T @ x / len(x)  # float64, as the reference's
     spec = QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")
     lay = MatrixLayout((n_in, 16), (0,), (1,))
     s, r, losses = search_scale([w], [lay], [spec], np.abs(x).mean(0), h, np.arange(n_in))
-    assert losses.shape == (20,) and losses.min() <= losses[0]  # r = 0 is plain RTN
+    _check_scale_search_against_reference(x, w, s, r, losses)
     err = lambda wq: float(np.sum((x @ (w - np.asarray(wq))) ** 2))  # noqa: E731
     e_rtn = err(fake_quantize(jnp.asarray(w), spec))
     se = np.asarray(s)[:, None]

@@ -175,15 +175,22 @@ def smollm2():
 
 @pytest.mark.slow
 def test_smollm2_kv_perplexity(smollm2):
-    """2 windows x 512 of the evaluation text: kv8 ~ FP, kv4 within 10 %, outliers help at 2 bits."""
+    """2 windows x 512 of the evaluation text, each KV quantizer against FP on the same windows.
+
+    Bounds from the committed results on the same model and text (bench/results/quality.json, 32 x 1024
+    tokens: kv8 -0.006 %, kv4 +0.80 %; bench/results/main_job.md, 4 x 1024: kv4 +1.02 %). Paired on the
+    same windows, the relative change moves by about the spread of those two protocols (0.2 points at
+    4096 tokens); 1024 tokens here is a quarter, so twice that spread, 0.4 points. Hence kv8 within
+    +0.5 % and kv4 within +2.0 % (a kv4 regression of 2 points, to ~3 %, fails); weight-only and KV rounding
+    is the same on AVX2 and AVX-512 up to float32 ulps, far below these margins."""
     from eqjax.evaluate import perplexity
 
     model, params, ev = smollm2
     ppl = {name: perplexity(model, params, ev, kv_quant=kvq).ppl for name, kvq in {
         "fp": None, "kv8": KVQuant(8, 8), "kv4": KVQuant(4, 4),
         "kv2": KVQuant(2, 2), "kv2o": KVQuant(2, 2, 0.01)}.items()}
-    assert ppl["kv8"] < ppl["fp"] * 1.01, ppl
-    assert ppl["kv4"] < ppl["fp"] * 1.10, ppl
+    assert abs(ppl["kv8"] / ppl["fp"] - 1) < 0.005, ppl
+    assert 0 < ppl["kv4"] / ppl["fp"] - 1 < 0.020, ppl
     assert ppl["kv2o"] < ppl["kv2"], ppl
 
 
@@ -221,7 +228,7 @@ def test_grouped_keys_outliers_over_the_whole_sequence_and_sinks():
 
 
 def test_grouped_bytes():
-    C, H, L = CFG.n_kv_heads * CFG.head_dim, CFG.n_kv_heads, CFG.n_layers
+    C, L = CFG.n_kv_heads * CFG.head_dim, CFG.n_layers
     # keys: (lo, scale) per channel per block of 32 tokens (4 blocks for 100); values per 4 channels
     want = L * (100 * C // 2 + 4 * C * 4 + 100 * C // 2 + 100 * (C // 4) * 4)
     assert kv_bytes(CFG, KVQuant(4, 4, key_group=32, value_group=4), 100) == want

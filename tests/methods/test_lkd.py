@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -55,17 +54,52 @@ def test_config_and_errors():
     assert r.steps[0].time_budget == 90
 
 
-def test_time_budget_caps_steps():
+class FakeClock:
+    """Stands in for the ``time`` module: each training step costs a fixed time (the first of a block,
+    its compile, 1/4 s; the others 1/16 s: binary fractions, exact); nothing else costs any."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _injected_clock(monkeypatch, module):
+    from eqjax import blockfit
+
+    clock = FakeClock()
+    monkeypatch.setattr(blockfit, "time", clock)
+    monkeypatch.setattr(module, "time", clock)
+    after = blockfit.StepBudget.after
+
+    def timed_after(self, done, out):
+        clock.now += 0.25 if done == 1 else 1 / 16
+        return after(self, done, out)
+
+    monkeypatch.setattr(blockfit.StepBudget, "after", timed_after)
+    return clock
+
+
+@pytest.mark.parametrize("budget,expected", [(3.0, [13, 13, 13]), (0.75, [3, 3, 0])])
+def test_time_budget_caps_steps(monkeypatch, budget, expected):
+    """Two layers and the lm_head under an injected clock. 3 s: each block gets (3 - spent) / blocks
+    left = 1 s, and its count is fixed after step 3 from steps 2-3 (1/16 s each): 3 + (1 - 1/4 - 2/16) /
+    (1/16) = 13 steps, which spend the second exactly. 0.75 s: 1/4 s per block is gone after the first
+    three steps (a block always takes three, 3/8 s), the second block gets (0.75 - 3/8) / 2 and also takes
+    three, and the third gets nothing: no training, the plain ZeroQuant result."""
+    import eqjax.methods.lkd as lkd_module
+
+    clock = _injected_clock(monkeypatch, lkd_module)
     model = Model(dataclasses.replace(CFG, n_layers=2))
     params = model.init_params(jax.random.key(0), std=0.2)
     toks = jax.random.randint(jax.random.key(1), (8, 16), 0, 64, dtype=jnp.int32)
-    step = ZeroQuantLKD(bits=4, group_size=16, steps=1_000_000, time_budget=20.0)
-    t0 = time.perf_counter()
+    step = ZeroQuantLKD(bits=4, group_size=16, steps=1_000_000, time_budget=budget)
     quantize(params, Recipe("lkd", (step,)), model=model, calibration=toks)
-    steps = [r["steps"] for r in step.report.values()]  # two layers and the lm_head
-    assert len(steps) == 3 and all(s < 1_000_000 for s in steps), step.report
-    assert steps[0] >= 3, step.report  # the first block times three steps before it stops
-    assert time.perf_counter() - t0 < 120
+    assert [r["steps"] for r in step.report.values()] == expected, step.report
+    assert clock.now == budget
+    if expected[-1] == 0:
+        assert "mse_lkd" not in list(step.report.values())[-1]
 
 
 @pytest.mark.slow

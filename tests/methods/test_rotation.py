@@ -21,7 +21,7 @@ from eqjax.methods.rotation import LAYERS, Rotation, rotate_params
 from eqjax.methods.rtn import RTN
 from eqjax.models import GPT2Config, LlamaConfig, Model
 from eqjax.numerics import QuantSpec, dequantize, dequantize_leaf, quantize
-from eqjax.pytree import flatten_with_paths, unflatten_paths
+from eqjax.pytree import flatten_with_paths
 from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel
 from eqjax.recipe import Recipe, quantize as quantize_recipe, recipe_from_dict, with_paths
 from eqjax.recipes import weight_rule

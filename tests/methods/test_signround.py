@@ -59,14 +59,34 @@ def test_zero_iterations_is_round_to_nearest(sym):
         np.testing.assert_array_equal(np.asarray(dequantize(k)), np.asarray(dequantize(_kernels(rtn)[path])), path)
 
 
-def test_time_budget_caps_iterations():
+def test_time_budget_caps_iterations(monkeypatch):
+    """Injected clock (no wall time): each iteration costs a fixed time, the first of a block (its
+    compile) 1/4 s, the others 1/16 s (binary fractions, exact); nothing else costs any. Three blocks
+    (two layers and the lm_head), each given (budget - spent) / blocks left, its count fixed after
+    iteration 3 from iterations 2-3. 1.5 s: 1/2 s each, 3 + (1/2 - 1/4 - 2/16) / (1/16) = 5 iterations,
+    the budget spent exactly. 0.75 s: the first block's 1/4 s is gone after its three iterations (3/8 s;
+    a block always takes three), the second gets (3/4 - 3/8) / 2 and takes three too, the third gets
+    nothing and keeps round to nearest (0 iterations)."""
+    import eqjax.methods.signround as sr_module
+    from eqjax import blockfit
+
+    clock = type("Clock", (), {"now": 0.0, "perf_counter": lambda self: self.now})()
+    monkeypatch.setattr(blockfit, "time", clock)
+    monkeypatch.setattr(sr_module, "time", clock)
+    after = blockfit.StepBudget.after
+
+    def timed_after(self, done, out):
+        clock.now += 0.25 if done == 1 else 1 / 16
+        return after(self, done, out)
+
+    monkeypatch.setattr(blockfit.StepBudget, "after", timed_after)
     model, params, toks = _setup()
-    step = SignRound(bits=3, group_size=16, iters=100_000, time_budget=20.0)
-    run_recipe(params, Recipe("s", (step,)), model=model, calibration=toks)
-    its = [r["iters"] for r in step.report.values()]
-    # each block gets the time left over the blocks left; a block reached after the budget is spent
-    # keeps round to nearest (0 iterations)
-    assert all(i < 100_000 for i in its) and its[0] >= 3, step.report
+    for budget, expected in ((1.5, [5, 5, 5]), (0.75, [3, 3, 0])):
+        clock.now = 0.0
+        step = SignRound(bits=3, group_size=16, iters=100_000, time_budget=budget)
+        run_recipe(params, Recipe("s", (step,)), model=model, calibration=toks)
+        assert [r["iters"] for r in step.report.values()] == expected, step.report
+        assert clock.now == budget
 
 
 def test_fake_quantize_grid_matches_stored_grid_and_has_gradients():

@@ -118,3 +118,43 @@ def test_user_model_without_norm_folds_is_a_clear_error():
     batches = [(jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),)]
     with pytest.raises(InputError, match="no group of matmul weights is fed by a norm"):
         quantize_model(fn, Recipe("s", (SmoothQuant(),)), params=p, calibration=batches)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.85])
+def test_smoothing_factors_match_float64_reference(alpha):
+    """A norm feeding a weight: the folded params against the published formula in float64
+    (:func:`tests.methods.ref_awq.smooth_scales`, ``max|X_j|`` over every calibration token of the normed
+    input, ``max|W_j|`` over the weight's outputs): ``norm / s`` and ``W * s`` elementwise.
+
+    Tolerance, relative, from float32 (u = 2**-24): eqjax's ``max|X_j|`` comes from its float32 norm
+    (a mean of K = 8 squares, rsqrt, two products: (K + 6) u); ``x**a`` is ``exp(a ln x)``
+    (``(|a ln x| + 2) u``), likewise ``w**(1 - a)``; one quotient; the fold one more division or
+    product: ``rel = (a (K + 6) + |a ln x| + |(1 - a) ln w| + 6) u``, doubled for second-order terms."""
+    from eqjax.recipe import model_context
+    from tests.methods.ref_awq import smooth_scales
+
+    rng = np.random.default_rng(0)
+    K = 8
+    p = {"norm": jnp.asarray(rng.uniform(0.5, 2.0, K) * np.where(np.arange(K) == 3, 40.0, 1.0), jnp.float32),
+         "w1": jnp.asarray(rng.normal(size=(K, 6)) * np.exp(rng.normal(size=(K, 1))), jnp.float32)}
+
+    def fn(p, x):
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * p["norm"]
+        return jnp.tanh(h @ p["w1"])
+
+    batches = [(jnp.asarray(rng.normal(size=(16, K)), jnp.float32),) for _ in range(3)]
+    ctx = model_context(fn, p, batches, example=None, blocks=None, seed=0, progress=False)
+    out = quantize(p, Recipe("s", (SmoothQuant(alpha),)), context=ctx, require_quantized=False)
+    xs = np.concatenate([np.asarray(b[0], np.float64) for b in batches])
+    normed = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + 1e-6) * np.asarray(p["norm"], np.float64)
+    x_max = np.abs(normed).max(0)
+    w1 = np.asarray(p["w1"], np.float64)
+    w_max = np.abs(w1).max(1)
+    s = smooth_scales(x_max, w_max, alpha)
+    rel = 2 * (alpha * (K + 6) + np.abs(alpha * np.log(x_max)) + np.abs((1 - alpha) * np.log(w_max)) + 6) * 2.0**-24
+    got_norm = np.asarray(out["norm"], np.float64)
+    want_norm = np.asarray(p["norm"], np.float64) / s
+    assert np.all(np.abs(got_norm - want_norm) <= rel * np.abs(want_norm)), (got_norm, want_norm)
+    want = w1 * s[:, None]
+    assert np.all(np.abs(np.asarray(out["w1"], np.float64) - want) <= rel[:, None] * np.abs(want))
+    assert np.max(s) / np.min(s) > 2  # the outlier channel really moved

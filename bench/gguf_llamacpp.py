@@ -20,7 +20,6 @@ Usage: python bench/gguf_llamacpp.py --llama-bin /path/to/llama.cpp/build/bin [-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import re

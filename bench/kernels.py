@@ -88,7 +88,7 @@ def _make_case(m: int, k: int, n: int, seed: int = 0):
 
 def _ops(case):
     """method -> (fn, args, bytes moved by an ideal kernel)."""
-    x, m, k = case["x"], case["x"].shape[0], case["x"].shape[1]
+    x, m = case["x"], case["x"].shape[0]
     n = case["w_bf16"].shape[1]
     out_b = m * n * 2
     ak = ActQuantKernel(case["w8"])

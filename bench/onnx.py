@@ -349,7 +349,7 @@ def _markdown(r) -> str:
               "another correct implementation lands anywhere near it (eqjax.evaluate.rounding_band).", ""]
     acc = acceptance(r["results"])
     if acc:
-        lines += ["| issue 12 target | measured | met |", "|---|---|---|"]
+        lines += ["| target | measured | met |", "|---|---|---|"]
         lines += [f"| {what} | {measured} | {'yes' if ok else '**no**'} |" for what, measured, ok in acc] + [""]
     return "\n".join(lines)
 

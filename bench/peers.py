@@ -399,7 +399,7 @@ def markdown(data: dict, meta: dict) -> str:
     if ours and theirs:
         best = min(ours, key=lambda r: r["ppl"])
         worse = [r for r in theirs if best["ppl"] < r["ppl"]]
-        lines += ["", f"Issue 13 target (best eqjax W4 g128 beats every AutoRound W4 g128 run): best eqjax "
+        lines += ["", f"Target (best eqjax W4 g128 beats every AutoRound W4 g128 run): best eqjax "
                   f"`{best['name']}` {best['ppl']:.3f} vs AutoRound " + ", ".join(
                       f"`{r['name']}` {r['ppl']:.3f}" for r in sorted(theirs, key=lambda r: r["ppl"]))
                   + (" -> **met**" if len(worse) == len(theirs) else

@@ -30,7 +30,7 @@ MAIN = [
     "w8a8-zeroquant", "w8a8-zeroquant-lkd", "w4g128-rtn-sym", "w4g128-rtn", "w4g128-gptq-sym", "w4g128-gptq",
     "w4g128-awq", "w4g128-awq-gptq", "w3g128-rtn", "w3g128-gptq", "w3g128-awq", "kv8", "kv4", "kv2",
     "kv2-outliers", "kv2-nuq", "kv2-nuq-recent",
-    # issue 13: 16-code symmetric grids (w4g128-rtn-sym, w4g128-gptq-sym above), searched grids, learned
+    # 16-code symmetric grids (w4g128-rtn-sym, w4g128-gptq-sym above), searched grids, learned
     # rounding
     "w4g128-rtn-search", "w4g128-rtn-search-sym", "w4g128-gptq-search", "w4g128-gptq-search-sym",
     "w4g128-awq-rtn-search", "w4g128-awq-gptq-search", "w4g128-signround", "w4g128-signround-sym",
@@ -81,7 +81,7 @@ def _gap_closed(rows: dict, method: str, base: str, fp: float) -> float | None:
 
 
 def targets(rows: list[dict], key: str = "ppl") -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for each target of issues 4 and 13 that the rows can answer, on the perplexity
+    """(target, measured, met) for each quality target that the rows can answer, on the perplexity
     ``key`` (``ppl``: Wikipedia; ``ppl_news``: the second text, where peers' rows do not exist)."""
     by = {r["recipe"]: {**r, "ppl": r[key]} for r in rows
           if key in r and "ppl" in r and r.get("calib_windows", 0) in (0, MAIN_CALIB)}
@@ -120,7 +120,7 @@ def targets(rows: list[dict], key: str = "ppl") -> list[tuple[str, str, bool | N
     if "w8a8-zeroquant-lkd" in by and "w8a8-zeroquant" in by:
         a, b = by["w8a8-zeroquant-lkd"]["ppl"], by["w8a8-zeroquant"]["ppl"]
         out.append(("ZeroQuant + LKD improves over ZeroQuant (W8A8 g64)", f"{a:.3f} vs {b:.3f}", a < b))
-    out += issue13_targets(by, fp, peers=key == "ppl")
+    out += search_and_peer_targets(by, fp, peers=key == "ppl")
     if "w4g128-gptq" in by:
         r = by["w4g128-gptq"]
         out.append(("GPTQ W4 quantize time <= 150 s (half the reference's ~300 s)", f"{r['quantize_seconds']:.0f} s", r["quantize_seconds"] <= 150))
@@ -147,9 +147,9 @@ def _weight_only(r: dict) -> bool:
     return r.get("a_bits") in (None, 16, 32, "-", "16", "32") and r.get("kv_bits") in (None, 16, 32, "-", "16", "32")
 
 
-def issue13_targets(by: dict, fp: float, peers: bool = True) -> list[tuple[str, str, bool | None]]:
-    """Issue 13's targets that the rows can answer (see the issue; AutoRound rows from peers.json, which
-    hold Wikipedia perplexities: ``peers=False`` leaves them out)."""
+def search_and_peer_targets(by: dict, fp: float, peers: bool = True) -> list[tuple[str, str, bool | None]]:
+    """The searched-grid, learned-rounding and peer targets that the rows can answer (AutoRound rows from
+    peers.json, which hold Wikipedia perplexities: ``peers=False`` leaves them out)."""
     out: list[tuple[str, str, bool | None]] = []
     if "w4a8-rot-gptq" in by and "w4a8-zeroquant-lkd" in by:
         a, b = by["w4a8-rot-gptq"]["ppl"], by["w4a8-zeroquant-lkd"]["ppl"]
@@ -228,7 +228,7 @@ def markdown(rows: list[dict], protocol: dict) -> str:
         + "".join(f"'ppl {t}': the same quantized model on the first {protocol['eval_tokens']} tokens of gensim's Lee news "
                   f"corpus (lee_background.cor, 300 Australian news articles), same windows; calibration stays on Wikipedia. "
                   for t in protocol.get("also_eval", [])) +
-        f"Machine: 2-core CPU shared with other work.\n"
+        "Machine: 2-core CPU shared with other work.\n"
     )
     return text
 

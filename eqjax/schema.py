@@ -286,7 +286,7 @@ _FIELD_RANGES: dict[str, Checker] = {
     "max_shrink": Float(0.0, 1.0, hi_open=True),
     "sink_weight": Float(0.0, None),
     "scale_dtype": Optional(Str(("float32", "float16", "bfloat16"))),
-    # issue 13: searched grids, learned rounding
+    # searched grids, learned rounding
     "grid": Str(("minmax", "search")),
     "grid_weighting": Str(("hessian", "diagonal", "none")),
     "weighting": Str(("hessian", "diagonal", "none")),

@@ -69,11 +69,9 @@ _W8A8_TABLE = (
 )
 # bk in packed rows (two logical K each); capped by the group size in w4a16_blocks. M = 1 takes the
 # GEMV blocks: (max M, bn, bk, warps, stages), the fastest of bench/kernel_tune.py's grid at M = 1,
-# K = N = 8192 on an H200: 31.4 us against 49.8 for the MMA row below (1.59x, second session); the
-# same tile with one stage was the fastest of the third session's grid (30.0 us; the previous row,
-# three stages, 30.7 us in that session's kernel benchmark). The M = 16 row was within 4 % of the
-# sweep's best; the M = 64 row is the third session's best at K = N = 4096 (25.4 us against 29.7 with
-# four stages); the prefill row was the best at M = 2048.
+# K = N = 8192 on an H200: one stage, 30.0 us against 30.7 with three stages and 49.8 for the MMA row
+# below. The M = 16 row was within 4 % of the sweep's best; the M = 64 row the best at K = N = 4096
+# (25.4 us against 29.7 with four stages); the prefill row the best at M = 2048.
 _W4A16_GEMV = (1, 512, 64, 8, 1)
 _W4A16_TABLE = (
     (16, 16, 128, 64, 4, 4),

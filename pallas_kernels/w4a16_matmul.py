@@ -49,7 +49,7 @@ XLA op fewer per call at decode); MMA blocks take the de-interleaved copies.
 Codes become floats without an integer -> float conversion (``_common.small_int_diff``: the code is
 OR-ed into the mantissa of a power of two and the biased zero point subtracted, both exact): Hopper
 converts int32 -> float at an eighth of its float32 add rate, and a weight byte holds two codes.
-Whether either change pays is a measurement (README, "On a GPU, third session").
+Whether either change pays is a measurement (docs/results, the GPU kernel tables).
 """
 
 from __future__ import annotations

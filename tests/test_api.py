@@ -2,7 +2,6 @@
 models; the user's own call signature; a real int8 matmul in the compiled HLO; nothing silent."""
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp

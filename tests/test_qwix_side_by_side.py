@@ -5,7 +5,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import eqjax

@@ -8,9 +8,6 @@ the same weights (see bench/flax_models.py)."""
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.reference]

@@ -10,10 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.linear import ActQuantKernel
-from eqjax.models import ConfigError, GPT2Config, LlamaConfig, Model, RopeScaling, from_hf_config, to_hf_config
-from eqjax.numerics import QuantSpec, quantize
-from eqjax.qarray import per_channel
+from eqjax.models import GPT2Config, LlamaConfig, Model
 
 B, T, V = 2, 12, 64
 LLAMA = LlamaConfig(

@@ -422,7 +422,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    from eqjax.atomic import check_output_dir
+    from eqjax.atomic import check_output_dir, output_lock
 
     search_main = _optional("eqjax.search_cli", "search_main")
     check_search_args = _optional("eqjax.search_cli", "check_search_args")
@@ -437,17 +437,19 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if bb is not None and not (bb > 0 and bb < 64):
         raise InputError(f"bad budget (--budget-bits): expected a number of bits in (0, 64), found {bb}")
     _check_int("--budget-bytes", getattr(args, "budget_bytes", None), 1, "budget")
-    out = check_output_dir(args.out, allow_nonempty=True, what="output directory (--out)")
+    out = check_output_dir(args.out, allow_nonempty=True, what="output directory (--out)",
+                           inputs=(getattr(args, "model", None),))
     if not getattr(args, "overwrite", False):
         for name in ("rules.json", "pareto.json", "layers.json"):
             if (out / name).exists():
                 raise OutputError(f"results exist ({out / name}): expected a new output directory, found {name} "
                                   "(pass --overwrite to replace them)")
-    return int(search_main(args) or 0)
+    with output_lock(out):  # a second search writing --out is refused here
+        return int(search_main(args) or 0)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from eqjax.atomic import check_output_dir
+    from eqjax.atomic import check_output_dir, output_lock
 
     export_main = _optional("eqjax.export.onnx", "export_main")
     recipe_for_export = _optional("eqjax.export.onnx", "recipe_for_export")
@@ -463,12 +465,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise InputError(f"bad output name (--out {args.out}): expected a package directory, found a .onnx file name "
                          "(the export writes model.onnx, genai_config.json and the tokenizer into a directory)")
     recipe_for_export(args.recipe, getattr(args, "embedding", "recipe"))  # unknown / unexportable recipes: before work
-    check_output_dir(args.out, overwrite=getattr(args, "overwrite", False), what="package directory (--out)")
-    return int(export_main(args) or 0)
+    check_output_dir(args.out, overwrite=getattr(args, "overwrite", False), what="package directory (--out)",
+                     inputs=(getattr(args, "model", None),))
+    with output_lock(args.out):
+        return int(export_main(args) or 0)
 
 
 def _cmd_gguf(args: argparse.Namespace) -> int:
-    from eqjax.atomic import check_output_file
+    from eqjax.atomic import check_not_input, check_output_file, output_lock
     from eqjax.io.gguf_write import check_gguf_recipe, gguf_main
     from eqjax.recipes import get_recipe
 
@@ -477,7 +481,9 @@ def _cmd_gguf(args: argparse.Namespace) -> int:
     _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
     check_gguf_recipe(get_recipe(args.recipe))  # unknown / unrepresentable recipes: before work
     check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="GGUF file (--out)")
-    return int(gguf_main(args) or 0)
+    check_not_input(args.out, (getattr(args, "model", None),), what="GGUF file (--out)")
+    with output_lock(args.out):
+        return int(gguf_main(args) or 0)
 
 
 def _not_built(name: str) -> Callable[[argparse.Namespace], int]:

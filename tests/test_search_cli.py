@@ -11,58 +11,17 @@ The model: hidden 8, one block (7 linear kernels of input width 8 or 32), a 259-
 from __future__ import annotations
 
 import json
-import pathlib
 
 import numpy as np
 import pytest
 
 from eqjax.cli import main
+from tests.robustness.robustness_fixtures import write_gguf
 
 BUDGET_SLACK = 900  # bytes above the smallest model: the budget binds (checked below)
 PARETO_BITS = (4.0, 6.0, 9.0)
 EVAL_WINDOWS, EVAL_LEN = 2, 24
 VALIDATE = 2
-
-
-def write_one_block_gguf(path: pathlib.Path, *, blocks: int = 1) -> pathlib.Path:
-    """A tiny llama GGUF as tests/robustness/robustness_fixtures.py's ``write_gguf`` (byte-level BPE of
-    259 tokens, hidden 8), with ``blocks`` transformer blocks."""
-    import gguf
-
-    from eqjax.tokenizer import bytes_to_unicode
-
-    D, F, HQ, HKV, HD = 8, 32, 2, 1, 4
-    tokens = ["<|endoftext|>", *bytes_to_unicode().values(), "Ġt", "he", "Ġthe"]
-    rng = np.random.default_rng(1)
-    r = lambda *s: (0.3 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-    w = {"token_embd.weight": r(len(tokens), D), "output_norm.weight": 1 + r(D)}
-    for i in range(blocks):
-        w |= {f"blk.{i}.attn_norm.weight": 1 + r(D), f"blk.{i}.attn_q.weight": r(HQ * HD, D),
-              f"blk.{i}.attn_k.weight": r(HKV * HD, D), f"blk.{i}.attn_v.weight": r(HKV * HD, D),
-              f"blk.{i}.attn_output.weight": r(D, HQ * HD), f"blk.{i}.ffn_norm.weight": 1 + r(D),
-              f"blk.{i}.ffn_gate.weight": r(F, D), f"blk.{i}.ffn_up.weight": r(F, D), f"blk.{i}.ffn_down.weight": r(D, F)}
-    gw = gguf.GGUFWriter(path, "llama")
-    gw.add_block_count(blocks)
-    gw.add_context_length(64)
-    gw.add_embedding_length(D)
-    gw.add_feed_forward_length(F)
-    gw.add_head_count(HQ)
-    gw.add_head_count_kv(HKV)
-    gw.add_rope_dimension_count(HD)
-    gw.add_layer_norm_rms_eps(1e-5)
-    gw.add_vocab_size(len(tokens))
-    gw.add_tokenizer_model("gpt2")
-    gw.add_tokenizer_pre("smollm")
-    gw.add_token_list(tokens)
-    gw.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    gw.add_token_types([3] + [1] * (len(tokens) - 1))
-    for name, a in w.items():
-        gw.add_tensor(name, a)
-    gw.write_header_to_file()
-    gw.write_kv_data_to_file()
-    gw.write_tensors_to_file()
-    gw.close()
-    return path
 
 
 def expected_nbytes(label: str, k_in: int, n_out: int) -> int:
@@ -96,7 +55,7 @@ def searched(tmp_path_factory):
     from eqjax.io.gguf import load_gguf
 
     root = tmp_path_factory.mktemp("search")
-    gguf_path = write_one_block_gguf(root / "one.gguf")
+    gguf_path = write_gguf(root / "one.gguf", blocks=1, seed=1)
     cfg, params, tok = load_gguf(gguf_path)
     norms = (2 * cfg.n_layers + 1) * cfg.hidden * 4  # the unsearched float32 RMSNorm scales
     linear_min = sum(expected_nbytes(f"w2g{k}a", k, n) for k, n in _shapes(cfg))
@@ -234,7 +193,7 @@ def test_budget_bits_without_evaluation_writes_the_proxy_curve(tmp_path):
     """--eval-windows 0: no perplexity is measured (no pareto.md); the Pareto points carry the proxy error
     and the plot is drawn from it. --budget-bits b: the linear kernels' average stored bits are <= b
     (--embedding none: the table stays float and is not searched)."""
-    gguf_path = write_one_block_gguf(tmp_path / "one.gguf")
+    gguf_path = write_gguf(tmp_path / "one.gguf", blocks=1, seed=1)
     out = tmp_path / "o"
     assert main(["search", "--model", str(gguf_path), "--budget-bits", "6", "--proxy", "weight", "--embedding", "none",
                  "--calib-windows", "1", "--calib-len", "16", "--eval-windows", "0", "--pareto-bits", "5,8",

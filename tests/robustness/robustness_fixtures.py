@@ -49,16 +49,16 @@ def write_hf_model(d: pathlib.Path, *, seed: int = 0, mutate: Callable[[dict], N
     return d
 
 
-def write_gguf(path: pathlib.Path) -> pathlib.Path:
-    """A tiny llama GGUF (byte-level BPE vocabulary of 259 tokens, hidden 8)."""
+def write_gguf(path: pathlib.Path, *, blocks: int = 2, seed: int = 0) -> pathlib.Path:
+    """A tiny llama GGUF (byte-level BPE vocabulary of 259 tokens, hidden 8) of ``blocks`` random blocks."""
     import gguf
     import numpy as np
 
     from eqjax.tokenizer import bytes_to_unicode
 
-    D, F, HQ, HKV, HD, L = 8, 32, 2, 1, 4, 2
+    D, F, HQ, HKV, HD, L = 8, 32, 2, 1, 4, blocks
     tokens = ["<|endoftext|>", *bytes_to_unicode().values(), "Ġt", "he", "Ġthe"]
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     r = lambda *s: (0.3 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
     w = {"token_embd.weight": r(len(tokens), D), "output_norm.weight": 1 + r(D)}
     for i in range(L):

@@ -49,6 +49,18 @@ def _project_intact(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Re
     return None
 
 
+def _gguf_copy(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
+    """A user's copy of the tiny GGUF."""
+    g = work / "model.gguf"
+    g.write_bytes((fx.root / "tiny.gguf").read_bytes())
+    return {"g": str(g)}
+
+
+def _gguf_intact(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: Result) -> str | None:
+    same = pathlib.Path(v["g"]).read_bytes() == (fx.root / "tiny.gguf").read_bytes()
+    return None if same else f"loss: {v['g']} was changed"
+
+
 def _empty_out(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
     (work / "empty").mkdir()
     return {"c": str(work / "empty")}
@@ -312,6 +324,9 @@ def outputs_cases() -> list[Case]:
         Case("outputs: export-onnx --overwrite a user's directory", T,
              argv=["export-onnx", "--model", "{gguf}", "--recipe", "w8", "--out", "{proj}", "--overwrite"],
              cause=r"cannot replace.*eqjax wrote", setup=_project, check=_project_intact),
+        Case("outputs: export-gguf --out is the --model file, --overwrite", T,
+             argv=["export-gguf", "--model", "{g}", "--recipe", "w8", "--out", "{g}", "--overwrite"],
+             cause=r"GGUF file \(--out\).*is the input", setup=_gguf_copy, check=_gguf_intact),
         Case("outputs: run --out inside the --model directory", T,
              argv=[*RUN, "--model", "{m}", "--recipes", "fp", "--out", "{m}/runs"], cause=r"lies inside the input",
              setup=_project, check=_project_intact),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import gguf
@@ -223,9 +222,7 @@ def test_default_model_path_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_smollm2_loads() -> None:
-    t0 = time.perf_counter()
     cfg, params, tok = load_gguf()
-    seconds = time.perf_counter() - t0
     assert (cfg.vocab, cfg.hidden, cfg.intermediate, cfg.n_layers) == (49152, 576, 1536, 30)
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (9, 3, 64)
     assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5 and cfg.tie_word_embeddings
@@ -247,7 +244,6 @@ def test_smollm2_loads() -> None:
     assert n == 134_515_008  # 135M parameters, tied embedding counted once
     assert all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params))
     assert tok.vocab_size == 49152 and tok.bos_id == 1 and tok.eos_id == 2
-    assert seconds < 60, f"loading took {seconds:.1f} s"
 
 
 @pytest.mark.parametrize("key, value, found", [

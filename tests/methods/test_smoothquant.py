@@ -87,9 +87,15 @@ def test_recipe_from_config():
 
 @pytest.mark.slow
 def test_smollm2_smoothquant_beats_naive_w8a8():
-    """2 windows x 1024: SmoothQuant(0.85) + W8A8 has lower perplexity than naive W8A8 (16 x 512 calibration).
+    """2 windows x 1024: SmoothQuant(0.85) + W8A8 has lower perplexity than naive W8A8 (16 x 512 calibration),
+    and stays within 4 % of the float model on the same windows.
 
-    (With 2 x 512 evaluation tokens and 8 x 256 calibration tokens the comparison was within noise.)"""
+    (With 2 x 512 evaluation tokens and 8 x 256 calibration tokens the comparison was within noise.)
+    The 4 %: bench/results/main_job.md measures ``w8a8-smoothquant`` at FP + 1.44 % on the first four of
+    these windows (the same calibration); a W8A8 perplexity moves by up to about 1.5 % when the float parts
+    change in their last bit (activation codes flip: the rounding band of tests/export/test_onnx.py), so no
+    bound tighter than that holds on every CPU; and two of the four windows add about 1 point of sampling
+    spread. 1.44 + 1.5 + 1 < 4."""
     from eqjax import data
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import load_gguf
@@ -105,6 +111,7 @@ def test_smollm2_smoothquant_beats_naive_w8a8():
     p_naive = perplexity(model, naive, ev).ppl
     p_sq = perplexity(model, sq, ev).ppl
     assert p_fp < p_sq < p_naive, (p_fp, p_sq, p_naive)
+    assert p_sq / p_fp - 1 < 0.04, (p_fp, p_sq)
 
 
 def test_user_model_without_norm_folds_is_a_clear_error():

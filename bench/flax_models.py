@@ -81,7 +81,7 @@ def nll_ppl(logits_fn, windows: np.ndarray, batch: int = 1) -> float:
     return ppl
 
 
-def run_pair(name, model, params, hf_model, hf_params, recipe, windows, calib, *, exclude_pattern=None):
+def run_pair(name, model, params, hf_model, hf_params, recipe, windows, calib, *, exclude_pattern=None, qparams_out=None):
     import eqjax
 
     when, load = time.strftime("%Y-%m-%dT%H:%M:%S"), os.getloadavg()[0]
@@ -89,6 +89,8 @@ def run_pair(name, model, params, hf_model, hf_params, recipe, windows, calib, *
     t0 = time.perf_counter()
     q = params if not recipe.steps else eqjax.quantize(params, recipe, model=model, calibration=calib)
     t_e = time.perf_counter() - t0
+    if qparams_out is not None:
+        qparams_out.append(q)  # eqjax's own quantized params, for a caller's further checks
     f_e = jax.jit(lambda p, w: model.apply(p, w)[0])
     ppl_e = nll_ppl(lambda w: f_e(q, w), windows)
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ test: install docs
 
 # The numerics-heavy tests once more with XLA's CPU code generation limited to AVX2, so an AVX-512 machine
 # also checks that their tolerances hold for the other instruction set (tests/README.md).
-AVX2_TESTS = tests/test_numerics.py tests/test_sensitivity.py
+AVX2_TESTS = tests/core/test_numerics.py tests/search/test_sensitivity.py
 test-avx2:
 	XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile $(AVX2_TESTS)
 

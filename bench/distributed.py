@@ -83,7 +83,7 @@ def stats_worker(args: argparse.Namespace) -> None:
     mesh = jax.make_mesh((n,), ("data",))
     x = np.random.default_rng(0).standard_normal((TOKENS, K)).astype(np.float32)
     xg = D.global_batch(x[D.host_rows(TOKENS)], mesh, "data")
-    from eqjax import statistics as S
+    from eqjax.calibration import statistics as S
 
     stats = {"absmax": S.absmax(), "xtx": S.xtx(), "count": S.count()}
     f_stats = D.sharded_statistics(stats, mesh, "data", num_blocks=BLOCKS)
@@ -121,8 +121,8 @@ def gptq_worker(args: argparse.Namespace) -> None:
     from jax.experimental import multihost_utils
 
     from eqjax import distributed as D
-    from eqjax.experiment import checked_quantize, prepare
-    from eqjax.recipes import get_recipe
+    from eqjax.protocol import checked_quantize, prepare
+    from eqjax.recipes.registry import get_recipe
 
     D.init_distributed(f"127.0.0.1:{args.port}" if args.processes > 1 else None,
                        args.processes if args.processes > 1 else None,
@@ -202,7 +202,7 @@ def run_gptq(args: argparse.Namespace) -> None:
         "machine": platform.platform(), "cpu_count": os.cpu_count(), "recipe": args.recipe,
         "command": " ".join([Path(sys.executable).name, "bench/distributed.py", *sys.argv[1:]]),
     }
-    from eqjax.atomic import write_text  # noqa: PLC0415
+    from eqjax.io.atomic import write_text
 
     out = Path(args.out or ROOT / "bench" / "results" / "distributed_gptq")
     write_text(out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -211,7 +211,7 @@ def run_gptq(args: argparse.Namespace) -> None:
 
 def write_gptq_report(meta: dict, rows: list[dict], out: Path) -> None:
     """The markdown table of ``rows`` (as measured by :func:`main`) into ``out.md``."""
-    from eqjax.atomic import write_text  # noqa: PLC0415
+    from eqjax.io.atomic import write_text
 
     base = rows[0]["quantize_s"]
     same = len({r["hash"] for r in rows}) == 1
@@ -260,7 +260,7 @@ def write_gptq_report(meta: dict, rows: list[dict], out: Path) -> None:
 
 
 def run_statistics(args: argparse.Namespace) -> None:
-    from eqjax.atomic import write_text  # noqa: PLC0415
+    from eqjax.io.atomic import write_text
 
     rows = []
     for devices, processes in ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2)):

@@ -53,8 +53,8 @@ RECIPES = ["fp", "w8", "w8a8-smoothquant", "w4g128-rtn", "w4g128-gptq", "w4g128-
 def exclude(recipe, pattern: str):
     """The recipe with params matching ``pattern`` kept in float by every step."""
     from eqjax.methods.rtn import RTN
-    from eqjax.recipe import Recipe
-    from eqjax.rules import Rule
+    from eqjax.recipes.rules import Rule
+    from eqjax.recipes.types import Recipe
 
     steps = []
     for s in recipe.steps:
@@ -124,7 +124,7 @@ def main() -> None:
     from eqjax.io import load_model
     from eqjax.io.flax_hf import to_hf_flax
     from eqjax.models import GPT2Config, Model
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe
 
     recipes = args.only.split(",") if args.only else RECIPES
     model, params, tok = load_model()
@@ -169,7 +169,7 @@ def main() -> None:
                     f"{args.calib_windows} x {args.calib_ctx} calibration tokens (seed 0)",
     }
     out = ROOT / "bench" / "results"
-    from eqjax.atomic import write_json, write_text
+    from eqjax.io.atomic import write_json, write_text
 
     if args.merge and (out / "flax_models.json").exists():
         mine = {(r["model"], r["recipe"]) for r in rows}

@@ -101,12 +101,12 @@ def main() -> int:
         print(f"error: --tokens {args.tokens} is less than one --ctx {args.ctx} chunk", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
-    from eqjax.atomic import write_json, write_text
     from eqjax.data import wikipedia_tokens
-    from eqjax.experiment import checked_quantize
     from eqjax.io import load_model
+    from eqjax.io.atomic import write_json, write_text
     from eqjax.io.gguf import default_model_path
-    from eqjax.recipes import get_recipe
+    from eqjax.protocol import checked_quantize
+    from eqjax.recipes.registry import get_recipe
 
     recipes = [r for r in args.recipes.split(",") if r]
     for r in recipes:

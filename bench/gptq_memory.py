@@ -29,14 +29,14 @@ ENV_KEY = "MALLOC_MMAP_THRESHOLD_"
 def child(recipe: str, windows: int, calib_len: int) -> dict:
     """One cell, in this process: see the module docs."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax  # noqa: PLC0415
+    import jax
 
-    from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
-    from eqjax.evaluate import peak_rss_mb  # noqa: PLC0415
-    from eqjax.io.gguf import load_gguf  # noqa: PLC0415
-    from eqjax.models import Model  # noqa: PLC0415
-    from eqjax.recipe import quantize  # noqa: PLC0415
-    from eqjax.recipes import get_recipe  # noqa: PLC0415
+    from eqjax.data import calibration_windows, wikipedia_tokens
+    from eqjax.evaluate import peak_rss_mb
+    from eqjax.io.gguf import load_gguf
+    from eqjax.models import Model
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import get_recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gptq_memory] {json.dumps(row)}", flush=True)
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "recipe": args.recipe, "calib_len": args.calib_len,
               "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows}
-    from eqjax.atomic import write_report  # noqa: PLC0415
+    from eqjax.io.atomic import write_report
 
     print("[gptq_memory] wrote %s and %s" % write_report(args.out, report, markdown(report)))
     return 0

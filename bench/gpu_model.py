@@ -33,12 +33,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from kernels import _save, gpu_run_header  # noqa: E402
 
 import eqjax  # noqa: E402
-from eqjax.linear import use_backend  # noqa: E402
+from eqjax.core.linear import use_backend  # noqa: E402
 from eqjax.models import LlamaConfig, Model  # noqa: E402
 from eqjax.models.generate import greedy_step  # noqa: E402
-from kernels import _save, gpu_run_header  # noqa: E402
 
 CONFIGS = {
     "smollm2-135m-shaped": LlamaConfig(vocab=49152, hidden=576, intermediate=1536, n_layers=30, n_heads=9,

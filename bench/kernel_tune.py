@@ -34,9 +34,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from kernels import _reps_for, _save, _time, gpu_run_header  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from kernels import _reps_for, _save, _time, gpu_run_header  # noqa: E402
 from pallas_kernels import tuning  # noqa: E402
 
 MS = (16, 64, 256, 2048)  # one per bucket of the tuning tables

@@ -53,9 +53,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
-from eqjax.linear import ActQuantKernel, linear, quantize_activations  # noqa: E402
-from eqjax.numerics import QuantSpec, quantize  # noqa: E402
-from eqjax.qarray import per_channel, per_group  # noqa: E402
+from eqjax.core.linear import ActQuantKernel, linear, quantize_activations  # noqa: E402
+from eqjax.core.numerics import QuantSpec, quantize  # noqa: E402
+from eqjax.core.qarray import per_channel, per_group  # noqa: E402
 
 GPU_MS = (1, 16, 128, 1024, 4096)
 GPU_KS = (4096, 8192)

@@ -7,7 +7,7 @@ channels, 1 % float16 outliers, the first token kept) on consecutive 1,024-token
 calibration half of the Wikipedia text, never the evaluation half. The lowest perplexity is the level set
 of the ``kv2-nuq`` recipe; bench/quality.py then measures that recipe on the evaluation tokens.
 ``--side keys|values`` varies one side's levels only, the other side at the recipe's levels
-(``eqjax.recipes.KV2_LEVELS``), and writes ``kv_levels_<side>.{json,md}``.
+(``eqjax.recipes.registry.KV2_LEVELS``), and writes ``kv_levels_<side>.{json,md}``.
 
 Usage: python bench/kv_levels.py [--windows 4] [--ctx 1024] [--side keys|values]
 """
@@ -26,10 +26,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eqjax.atomic import write_bytes  # noqa: E402
 from eqjax.data import token_windows, wikipedia_tokens  # noqa: E402
 from eqjax.evaluate import perplexity  # noqa: E402
 from eqjax.io import load_model  # noqa: E402
+from eqjax.io.atomic import write_bytes  # noqa: E402
 from eqjax.methods.kvquant import KVQuant  # noqa: E402
 
 OUTER = (0.06, 0.08, 0.10, 0.12)
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--side", choices=("both", "keys", "values"), default="both")
     ap.add_argument("--out", default=None, help="output path without suffix (default bench/results/kv_levels[_side])")
     args = ap.parse_args()
-    from eqjax.recipes import KV2_LEVELS
+    from eqjax.recipes.registry import KV2_LEVELS
 
     if args.out is None:
         args.out = str(ROOT / "bench" / "results" / ("kv_levels" if args.side == "both" else f"kv_levels_{args.side}"))

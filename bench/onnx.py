@@ -160,19 +160,19 @@ def main(argv=None) -> int:
     import onnxruntime_genai as og
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from eqjax.core.pytree import flatten
+    from eqjax.core.qarray import ActQuantKernel
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity as eqjax_ppl
     from eqjax.evaluate import rounding_band
-    from eqjax.pytree import flatten
-    from eqjax.qarray import ActQuantKernel
-    from eqjax.recipes import embedding_step
     from eqjax.export.package import export_package
     from eqjax.io.gguf import default_model_path, load_gguf, read_metadata
     from eqjax.io.hf import save_hf_checkpoint
     from eqjax.methods.gptq import GPTQ
     from eqjax.models import Model
-    from eqjax.recipe import Recipe, quantize
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import embedding_step, get_recipe
+    from eqjax.recipes.types import Recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         del qp
     if want("eqjax-int4-rot"):
         from eqjax.methods.rtn import RTN
-        from eqjax.rules import rule_from_dict
+        from eqjax.recipes.rules import rule_from_dict
 
         # the rotation unties the head; the built-in rotated recipes keep it float: int4 g32 here, as the table
         head = RTN((rule_from_dict({"pattern": "lm_head/kernel", "bits": 4, "symmetric": False, "granularity": "group",
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
                     "rounds": args.rounds},
         "results": rows,
     }
-    from eqjax.atomic import write_report
+    from eqjax.io.atomic import write_report
 
     print("[onnx] wrote %s and %s" % write_report(args.out, report, _markdown(report)))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -50,7 +50,7 @@ WORKER = ROOT / "bench" / "peers_worker.py"
 CACHE = pathlib.Path.home() / ".cache" / "eqjax-peers"
 
 sys.path.insert(0, str(ROOT))
-from eqjax.atomic import write_text  # noqa: E402  (results: temp file + rename)
+from eqjax.io.atomic import write_text  # noqa: E402  (results: temp file + rename)
 
 EVAL_WINDOWS, EVAL_CTX, CALIB_WINDOWS, CALIB_CTX, SEED = 32, 1024, 128, 512, 0
 # SignRound iterations run here (--probe: ~150 would fit 2 h on this shared 2-core machine; 100 fit the session)

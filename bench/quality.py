@@ -5,7 +5,7 @@ Results are appended to the JSON as they finish (a re-run skips rows already mea
 protocol), so a partial run still gives a true, smaller table. Targets are checked against the
 measured figures and printed as met / NOT met.
 
-``size MB`` is the whole artifact (every param as stored, :func:`eqjax.pytree.tree_nbytes`); ``x fp16`` is
+``size MB`` is the whole artifact (every param as stored, :func:`eqjax.core.pytree.tree_nbytes`); ``x fp16`` is
 the float16 model's bytes (half the FP row's float32 bytes) over it.
 
 Usage: python bench/quality.py [--eval-tokens 32768] [--calib-windows 128] [--only a,b] [--rerun a,b] [--sweep]
@@ -240,7 +240,7 @@ def _loadavg(r: dict) -> str:
 
 def rewrite_markdown(path: pathlib.Path) -> None:
     """Regenerate the markdown of a results JSON (e.g. after editing the targets)."""
-    from eqjax.atomic import write_bytes  # noqa: PLC0415
+    from eqjax.io.atomic import write_bytes
 
     data = json.loads(path.read_text())
     write_bytes(path.with_suffix(".md"), markdown(data["rows"], data["protocol"]).encode())
@@ -260,8 +260,8 @@ def main() -> int:
                     help="also measure every row on this text (eqjax eval --also-eval): its ppl in extra columns")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from eqjax.atomic import write_bytes
-    from eqjax.recipes import RECIPES, get_recipe
+    from eqjax.io.atomic import write_bytes
+    from eqjax.recipes.registry import RECIPES, get_recipe
 
     protocol = {"eval_tokens": args.eval_tokens, "ctx": args.ctx, "calib_ctx": args.calib_ctx}
     if args.also_eval:

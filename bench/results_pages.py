@@ -717,7 +717,7 @@ def page_memory() -> str:
                           ["---", "--:", "--:", "--:", "--:"]))
         body.append("\n" + source([name], f"{CPU_MACHINE} ({d['cpus']} CPUs)") + "\n")
     body.append("`gptq_memory_shared.json` was measured with the block step compiled once for all blocks "
-                "(`eqjax.blockfit.shared_jit`), `gptq_memory.json` before that change.\n")
+                "(`eqjax.calibration.blockfit.shared_jit`), `gptq_memory.json` before that change.\n")
     rows = quality_rows()
     r = rows.get(("w4g128-gptq", 32768, 1024, 128, 512))
     if r:
@@ -768,6 +768,43 @@ def page_robustness() -> str:
     body.append(table(["group", "case", "expected", "outcome"],
                       [[c["group"], c["case"], c["expected"], c["outcome"]] for c in d["cases"]]))
     body.append("")
+    return "\n".join(body)
+
+
+# ------------------------------------------------------------------------------------------- validators
+def page_validators() -> str:
+    d = load("validators.json")
+    m, ln, s, tm = d["meta"], d["lines"], d["summary"], d["timing"]
+    body = [f"# Recipe-file validation: hand-rolled checkers or pydantic\n\n{GENERATED}\n",
+            "```bash\npython bench/validators.py\n```\n",
+            "The checkers of `eqjax/recipes/schema.py` against a pydantic port of the same rules (strict types, unknown "
+            "keys refused, the same conflicts, its errors formatted into eqjax's one-line message), kept in "
+            "`bench/validators.py`. Both see the same corpora: bad recipe dicts (the tests' and one per checker), valid "
+            "ones (every built-in recipe as a dict, the docs' and tests' recipe files) and seeded random mutants.\n",
+            table(["", "hand-rolled", "pydantic"],
+                  [["lines of code (" + ln["counted"] + ")", ln["hand_rolled_total"], ln["pydantic_total"]],
+                   ["µs per valid recipe (median)", f1(tm["valid_hand_us"]), f1(tm["valid_pydantic_us"])],
+                   ["one-off cost (import + building the models), s", "0", f2(tm["pydantic_import_s"] + tm["port_build_s"])]],
+                  ["---", "--:", "--:"]), ""]
+    rows = []
+    for corpus, c in s.items():
+        rows.append([corpus, c["cases"], c["same_outcome"], c["refused_by_both"], c["same_path"], c["same_found"],
+                     c["equal_message"], c["hand"]["crash"], c["pydantic"]["crash"]])
+    body.append(table(["corpus", "cases", "same outcome", "refused by both", "same key path", "same value found",
+                       "equal message", "hand-rolled crashes", "pydantic crashes"], rows,
+                      ["---"] + ["--:"] * 8))
+    body.append(f"\n**Verdict.** {d['verdict']}.\n")
+    shorter = ln["pydantic_total"] <= 0.8 * ln["hand_rolled_total"]
+    same = s["bad"]["equal_message"] == s["bad"]["cases"]
+    if shorter and same:
+        body.append("The port is at least a fifth shorter with equal messages: pydantic is the better tool here.\n")
+    else:
+        body.append("eqjax keeps the hand-rolled checkers: the port is " + ("shorter" if shorter else "not a fifth shorter")
+                    + (", and its messages are equal" if same else f", {s['bad']['cases'] - s['bad']['equal_message']} of its "
+                       "messages differ") + ", and it would add a dependency. Validation runs once per recipe file, so "
+                    "the time per recipe does not enter the choice.\n")
+    body.append(source(["validators.json"], f"{m['cpu_count']}-core {m['cpu']} (Python {m['python']}, pydantic "
+                        f"{m['pydantic']}), shared with other work") + "\n")
     return "\n".join(body)
 
 
@@ -853,6 +890,7 @@ PAGES: dict[str, tuple[str, Callable[[], str], str]] = {
     "distributed.md": ("Multiple devices", page_distributed, "distributed*.json"),
     "memory.md": ("GPTQ memory", page_memory, "gptq_memory*.json"),
     "robustness.md": ("Robustness", page_robustness, "robustness.json"),
+    "validators.md": ("Recipe-file validation", page_validators, "validators.json"),
     "main_job.md": ("Main job", page_main_job, "main_job.md"),
 }
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "tally": {k: tally[k] for k in OUTCOMES},
                "by_group": {g: {k: c[k] for k in OUTCOMES} for g, c in by_group.items()}, "cases": rows}
-    from eqjax.atomic import write_json, write_text
+    from eqjax.io.atomic import write_json, write_text
 
     write_json(out.with_suffix(".json"), payload)
     write_text(out.with_suffix(".md"), markdown(payload))

@@ -35,7 +35,7 @@ NOISE = 0.05
 def fold_norm_scales(params: dict, n_layers: int) -> dict:
     """``params`` (eqjax's Llama tree) with each layer's attn / mlp norm scale folded into the kernels that
     read it and set to 1: the same float function."""
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax.numpy as jnp
 
     out = {k: v for k, v in params.items()}
     for i in range(n_layers):
@@ -52,8 +52,8 @@ def fold_norm_scales(params: dict, n_layers: int) -> dict:
 
 def add_noise(params: dict, rel: float, seed: int = 7) -> dict:
     """Decoder kernels plus Gaussian noise of ``rel`` times each kernel's standard deviation."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
 
     keys = iter(jax.random.split(jax.random.key(seed), 4096))
 
@@ -76,14 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_windows < 1 or args.calib_windows < 1:
         ap.error("--eval-windows and --calib-windows must be >= 1")
 
-    from eqjax.atomic import write_report  # noqa: PLC0415
-    from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
-    from eqjax.evaluate import perplexity  # noqa: PLC0415
-    from eqjax.io.gguf import load_gguf  # noqa: PLC0415
-    from eqjax.methods.rotation import Rotation  # noqa: PLC0415
-    from eqjax.models import Model  # noqa: PLC0415
-    from eqjax.recipe import Recipe, quantize  # noqa: PLC0415
-    from eqjax.recipes import get_recipe  # noqa: PLC0415
+    from eqjax.data import calibration_windows, wikipedia_tokens
+    from eqjax.evaluate import perplexity
+    from eqjax.io.atomic import write_report
+    from eqjax.io.gguf import load_gguf
+    from eqjax.methods.rotation import Rotation
+    from eqjax.models import Model
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import get_recipe
+    from eqjax.recipes.types import Recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)

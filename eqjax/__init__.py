@@ -4,16 +4,28 @@ The public surface; implementation modules are importable too but may change.
 """
 
 from eqjax.api import QuantizedFunction, QuantizedLinen, QuantizedNNX, quantize_model
-from eqjax.ema import EmaState, ema_absmax, scale_from_state
-from eqjax.errors import EqjaxError, InputError, RuntimeFailure
-from eqjax.linear import linear, use_backend
-from eqjax.numerics import QuantSpec, dequantize, fake_quantize, quantize as quantize_array, quantize_with
-from eqjax.qarray import (ActQuantKernel, Granularity, QArray, QArrayError, per_channel, per_group, per_input_group,
-                          per_output_channel, per_tensor, validate)
-from eqjax.recipe import Context, Recipe, RecipeError, load_recipe, quantize
-from eqjax.recipes import get_recipe, recipe_names
-from eqjax.rules import Rule, RuleError
-from eqjax.pytree import tree_nbytes
+from eqjax.calibration.ema import EmaState, ema_absmax, scale_from_state
+from eqjax.core.errors import EqjaxError, InputError, RecipeError, RuleError, RuntimeFailure
+from eqjax.core.linear import linear, use_backend
+from eqjax.core.numerics import QuantSpec, dequantize, fake_quantize, quantize_with
+from eqjax.core.numerics import quantize as quantize_array
+from eqjax.core.pytree import tree_nbytes
+from eqjax.core.qarray import (
+    ActQuantKernel,
+    Granularity,
+    QArray,
+    QArrayError,
+    per_channel,
+    per_group,
+    per_input_group,
+    per_output_channel,
+    per_tensor,
+    validate,
+)
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import get_recipe, load_recipe, recipe_names
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.types import Context, Recipe
 
 __version__ = "0.1.0"
 

@@ -26,11 +26,14 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 
 from eqjax.core.analysis import analyze
+from eqjax.core.errors import InputError
 from eqjax.core.interpret import evaluate
 from eqjax.core.program import trace, trace_key
-from eqjax.errors import InputError
-from eqjax.pytree import flatten_with_paths
-from eqjax.recipe import Recipe, check_model_arg, check_params_arg, model_context, quantize, resolve_recipe
+from eqjax.core.pytree import flatten_with_paths
+from eqjax.recipes.apply import model_context, quantize
+from eqjax.recipes.checks import check_model_arg, check_params_arg
+from eqjax.recipes.registry import resolve_recipe
+from eqjax.recipes.types import Recipe
 
 __all__ = ["quantize_model", "QuantizedFunction", "QuantizedLinen", "QuantizedNNX", "UnquantizedWarning"]
 
@@ -114,7 +117,7 @@ class QuantizedNNX:
 
 
 def _nnx_call(graphdef: Any, state: Any, rest: Any) -> Callable[..., Any]:
-    from flax import nnx  # noqa: PLC0415
+    from flax import nnx
 
     def call(pd: Any, *args: Any, **kwargs: Any) -> Any:
         st = jax.tree.map(lambda x: x, state)
@@ -223,7 +226,7 @@ def quantize_model(
     Args:
       model: a ``flax.linen.Module`` (needs ``params``), an ``nnx.Module``, a Hugging Face Flax model
         (``.module`` + ``.params``), or a function ``fn(params, *args)`` (needs ``params``).
-      recipe: a :class:`~eqjax.recipe.Recipe`, a built-in recipe name or a recipe file.
+      recipe: a :class:`~eqjax.recipes.types.Recipe`, a built-in recipe name or a recipe file.
       params: the float params (linen: the ``"params"`` collection, or the variables dict holding it).
       calibration: an iterable of positional-argument tuples of the model's call (one shape).
       example: one argument tuple to trace with, for recipes that need no calibration.
@@ -237,8 +240,8 @@ def quantize_model(
     calib = _as_calibration(calibration)
     example = _as_example(example)
     try:
-        from flax import nnx  # noqa: PLC0415
-        import flax.linen as nn  # noqa: PLC0415
+        import flax.linen as nn
+        from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         nnx = nn = None
     if nnx is not None and isinstance(model, nnx.Module):

@@ -43,7 +43,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
+from eqjax.io.atomic import atomic_file
 
 __all__ = [
     "DataError",
@@ -75,7 +76,7 @@ SEPARATOR = "\n\n"
 
 class DataError(InputError):
     """Text or token data is missing, empty, unreadable or too short for what was asked
-    (an :class:`~eqjax.errors.InputError`, hence a ``ValueError``)."""
+    (an :class:`~eqjax.core.errors.InputError`, hence a ``ValueError``)."""
 
 
 class _Encoder(Protocol):
@@ -293,7 +294,6 @@ def encode_cached(tokenizer: _Encoder, text: str, *, cache: bool = True) -> np.n
     of its content (:func:`seal_tokens`): a cut, altered or unreadable one is discarded with a warning,
     recomputed and rewritten; a cache that cannot be written only warns.
     """
-    from eqjax.atomic import atomic_file  # noqa: PLC0415
 
     path = cache_path(tokenizer, text) if cache else None
     if path is not None and path.is_file():

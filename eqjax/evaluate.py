@@ -25,8 +25,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from eqjax.errors import CompatibilityError, InputError, NonFiniteResult
-from eqjax.pytree import tree_nbytes
+from eqjax.core.errors import CompatibilityError, InputError, NonFiniteResult
+from eqjax.core.pytree import tree_nbytes
+from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step
 
 __all__ = ["PplResult", "perplexity", "window_nll", "peak_rss_mb", "model_size_bytes", "check_token_ids",
            "ulp_bumped", "rounding_band", "within_band"]
@@ -83,10 +84,9 @@ def perplexity(
     :func:`eqjax.distributed.default_mesh`; see the module docs).
 
     Padding (a short last step) repeats the last windows and is not counted.
-    Token ids outside the model's vocabulary raise :class:`~eqjax.errors.CompatibilityError`; a NaN or
-    Inf loss or perplexity raises :class:`~eqjax.errors.NonFiniteResult` (never a silent ``inf``).
+    Token ids outside the model's vocabulary raise :class:`~eqjax.core.errors.CompatibilityError`; a NaN or
+    Inf loss or perplexity raises :class:`~eqjax.core.errors.NonFiniteResult` (never a silent ``inf``).
     """
-    from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step  # noqa: PLC0415
 
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[0] == 0 or windows.shape[1] < 2:

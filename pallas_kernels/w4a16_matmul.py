@@ -1,6 +1,6 @@
 """W4A16 matmul: packed int4 weights with group scales / zero points, float activations.
 
-Array API (nothing here knows eqjax's types; :mod:`eqjax.linear` adapts its ``QArray``):
+Array API (nothing here knows eqjax's types; :mod:`eqjax.core.linear` adapts its ``QArray``):
 
 * :func:`w4a16_matmul` -- the entry: the Pallas Triton kernel when lowered for CUDA, the XLA
   reference on every other platform (``lax.platform_dependent``, at lowering time);
@@ -64,7 +64,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels._common import (
-    cdiv, compiler_params, load_row, load_tile, load_vec, on_cuda_else, small_int_diff, store_tile,
+    cdiv,
+    compiler_params,
+    load_row,
+    load_tile,
+    load_vec,
+    on_cuda_else,
+    small_int_diff,
+    store_tile,
 )
 
 __all__ = ["supports", "w4a16_matmul", "w4a16_matmul_pallas", "w4a16_matmul_xla"]

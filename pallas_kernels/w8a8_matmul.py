@@ -1,6 +1,6 @@
 """W8A8 matmul: int8 activations x int8 weights -> exact int32 sums, scaled float epilogue.
 
-Array API (nothing here knows eqjax's types; :mod:`eqjax.linear` adapts its ``ActQuantKernel``):
+Array API (nothing here knows eqjax's types; :mod:`eqjax.core.linear` adapts its ``ActQuantKernel``):
 
 * :func:`w8a8_matmul` -- the entry: the Pallas Triton kernel when lowered for CUDA, the XLA
   reference on every other platform (chosen at lowering time by ``lax.platform_dependent``);
@@ -27,7 +27,7 @@ all in float32, ``fl(1 / v)`` an IEEE-rounded reciprocal. Multiplying by recipro
 dividing, which differs at some ties) is what XLA:CPU computes for ``x / s`` anyway, but not what
 XLA:GPU computed (an H200 run, jax 0.11.2), so nothing is left to a compiler: the reference
 takes the reciprocal with :func:`pallas_kernels._common.exact_reciprocal` (XLA:GPU's float32 division
-was one ulp off) and materializes it behind an optimization barrier, and :func:`eqjax.linear.quantize_activations`
+was one ulp off) and materializes it behind an optimization barrier, and :func:`eqjax.core.linear.quantize_activations`
 is this reference. The kernel takes the reciprocals with ``div.rn.f32`` (Triton's default f32
 division is approximate), multiplies by them with ``mul.rn.f32`` (never contracted into an FMA,
 which would skip the product's rounding) and rounds with floor/compare/select (Triton cannot lower

@@ -7,7 +7,7 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``, default ``ci``):
   fresh clone runs exactly what CI runs. A different hypothesis version can still draw other examples;
   every counterexample found that way is pinned with ``@example`` next to its test.
 * ``dev``: explores. Random seeds, more examples, and the local example database (``.hypothesis/``)
-  replays earlier failures first. Run ``HYPOTHESIS_PROFILE=dev python -m pytest tests/test_numerics.py``.
+  replays earlier failures first. Run ``HYPOTHESIS_PROFILE=dev python -m pytest tests/core/test_numerics.py``.
 """
 
 import ctypes

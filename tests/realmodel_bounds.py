@@ -47,7 +47,7 @@ W4_GPTQ_BAND = (10.0, 45.0)
 FLOAT_REL = 2.1e-3
 
 REFERENCES = {
-    # (file, fp ppl, quantized ppl) of the rows cited above; tests/test_main_job.py checks them against the files
+    # (file, fp ppl, quantized ppl) of the rows cited above; tests/cli/test_main_job.py checks them against the files
     "w8": [("quality.json", 18.549, 18.595), ("flax_models.json", 19.203, 19.222)],
     "w4g128-rtn": [("quality.json", 18.549, 24.594), ("quality_rotation.json", 19.916, 25.804),
                    ("flax_models.json", 19.203, 24.424)],
@@ -118,7 +118,7 @@ def load_eqjax_kernels_into(ref: Any, params: Any) -> None:
     torch's [out, in] (the layouts tests/io/test_gguf_parity.py checks); embeddings and norms stay."""
     import torch
 
-    from eqjax.numerics import dequantize_leaf
+    from eqjax.core.numerics import dequantize_leaf
 
     names = {("attn", "q_proj"): "self_attn.q_proj", ("attn", "k_proj"): "self_attn.k_proj",
              ("attn", "v_proj"): "self_attn.v_proj", ("attn", "o_proj"): "self_attn.o_proj",

@@ -10,9 +10,8 @@ import pytest
 
 import eqjax
 from eqjax.api import QuantizedLinen, QuantizedNNX, UnquantizedWarning
-from eqjax.errors import InputError
-from eqjax.qarray import ActQuantKernel, QArray, is_quantized
-
+from eqjax.core.errors import InputError
+from eqjax.core.qarray import ActQuantKernel, QArray, is_quantized
 from tests import zoo
 
 RECIPES = ["w8", "w8a8-smoothquant", "w4g128-rtn", "w4g128-gptq", "w4g128-awq"]
@@ -143,7 +142,7 @@ def test_linen_nn_scan_blocks_are_iterations():
     quantizes each slice on its own inputs and the stack is one QArray in its own layout."""
     import flax.linen as nn
 
-    from eqjax.calibrate import Calibrator
+    from eqjax.calibration.calibrate import Calibrator
 
     class Block(nn.Module):
         @nn.compact

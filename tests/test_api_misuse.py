@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import eqjax
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
+from eqjax.core.qarray import QArray
 from eqjax.models import LlamaConfig, Model
-from eqjax.qarray import QArray
 
 
 class Mlp(nn.Module):
@@ -34,7 +34,7 @@ def mlp():
 
 def _no_trace(monkeypatch):
     """Fail the test if eqjax starts tracing the model (the error must come first)."""
-    import eqjax.recipe as recipe_mod
+    import eqjax.recipes.types as recipe_mod
 
     monkeypatch.setattr(recipe_mod.Context, "_trace", lambda self: pytest.fail("traced before refusing"))
 
@@ -63,7 +63,7 @@ def test_quantize_wrong_arguments(tiny, monkeypatch, args, match):
 
 def test_quantize_rule_matching_no_param_names_pattern_and_step(tiny, monkeypatch):
     from eqjax.methods.rtn import RTN
-    from eqjax.recipes import weight_rule
+    from eqjax.recipes.registry import weight_rule
 
     model, params = tiny
     _no_trace(monkeypatch)

@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.numerics import QuantSpec, dequantize, quantize
-from eqjax.qarray import QArrayError, per_channel, per_group, per_tensor, validate
-from eqjax.rules import Rule, RuleError, rule_from_dict
+from eqjax.core.errors import RuleError
+from eqjax.core.numerics import QuantSpec, dequantize, quantize
+from eqjax.core.qarray import QArrayError, per_channel, per_group, per_tensor, validate
+from eqjax.recipes.rules import Rule, rule_from_dict
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -102,7 +103,8 @@ def test_validator_catches_broken_arrays():
     ("group_size", 100000, "int 100000"),
 ])
 def test_recipe_values_are_checked_not_coerced(key, value, found):
-    from eqjax.recipe import RecipeError, recipe_from_dict
+    from eqjax.core.errors import RecipeError
+    from eqjax.recipes.registry import recipe_from_dict
 
     rule = {"pattern": ".*/kernel", "granularity": "group", "group_size": 32, key: value}
     with pytest.raises(RecipeError, match=rf"mine\.toml: steps\[0\]\.rules\[0\]\.{key}\): expected .*, found {found}"):
@@ -120,7 +122,7 @@ def test_conflicting_rule_keys():
 
 def test_quantize_names_a_non_finite_param():
     import eqjax
-    from eqjax.errors import NonFiniteError
+    from eqjax.core.errors import NonFiniteError
 
     params = {"layers_0": {"attn_norm": {"scale": jnp.asarray([1.0, np.nan, 1.0])},
                            "mlp": {"up": {"kernel": jnp.ones((4, 4))}}}}
@@ -140,7 +142,7 @@ class _FakeModel:
 
 
 def test_perplexity_never_returns_infinity():
-    from eqjax.errors import NonFiniteResult
+    from eqjax.core.errors import NonFiniteResult
     from eqjax.evaluate import perplexity
 
     windows = np.full((1, 8), 3, np.int32)
@@ -149,7 +151,7 @@ def test_perplexity_never_returns_infinity():
 
 
 def test_token_ids_outside_the_vocabulary():
-    from eqjax.errors import CompatibilityError
+    from eqjax.core.errors import CompatibilityError
     from eqjax.evaluate import perplexity
 
     with pytest.raises(CompatibilityError, match=r"expected ids in \[0, 8\), found 9"):

@@ -6,12 +6,13 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from eqjax.core.qarray import ActQuantKernel
 from eqjax.evaluate import perplexity, rounding_band, ulp_bumped, within_band
 from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
-from eqjax.qarray import ActQuantKernel
-from eqjax.recipe import Recipe, quantize
-from eqjax.recipes import weight_rule
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import weight_rule
+from eqjax.recipes.types import Recipe
 
 finite32 = st.floats(min_value=-2.0**100, max_value=2.0**100, allow_nan=False, width=32).filter(lambda v: abs(v) > 1e-30)
 

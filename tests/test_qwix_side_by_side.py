@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import pytest
 
 import eqjax
-
 from tests import zoo
 
 qwix = pytest.importorskip("qwix")

@@ -90,7 +90,7 @@ def test_fifo_is_not_read(tmp_path: Path) -> None:
 
 
 def test_encoding_flag_is_checked_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    from eqjax.cli import build_parser
+    from eqjax.cli.main import build_parser
 
     args = build_parser().parse_args(["eval", "--recipe", "fp", "--encoding", "UTF-16LE"])
     assert args.encoding == "utf-16-le"
@@ -102,7 +102,7 @@ def test_encoding_flag_is_checked_by_the_parser(capsys: pytest.CaptureFixture[st
 
 
 def test_check_text_path_uses_the_encoding(tmp_path: Path) -> None:
-    from eqjax.cli import _check_text_path
+    from eqjax.cli.main import _check_text_path
 
     p = tmp_path / "t.txt"
     p.write_bytes(TEXT.encode("utf-16-le"))

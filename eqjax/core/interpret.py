@@ -25,11 +25,11 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 import jax
 
 from eqjax.core.analysis import Analysis, WeightUse
+from eqjax.core.numerics import dequantize_leaf
 from eqjax.core.program import Lit, Node, Program, Ref
+from eqjax.core.qarray import is_quantized
 from eqjax.core.qdot import embedding_gather, weight_dot
 from eqjax.core.views import apply_view, bind
-from eqjax.numerics import dequantize_leaf
-from eqjax.qarray import is_quantized
 
 __all__ = ["run", "evaluate", "DotHook"]
 

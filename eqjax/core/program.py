@@ -28,8 +28,8 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from eqjax.errors import InputError
-from eqjax.pytree import flatten_with_paths, float_aval
+from eqjax.core.errors import InputError
+from eqjax.core.pytree import flatten_with_paths, float_aval
 
 __all__ = ["Lit", "Ref", "Node", "Program", "ProgramError", "trace", "VIEW_PRIMS"]
 

@@ -2,15 +2,15 @@
 
 :func:`weight_dot` replaces one ``dot_general`` whose weight operand is a quantized param:
 
-* :class:`~eqjax.qarray.ActQuantKernel` (W8A8, W4A8): the activation is brought to ``[M, K]`` rows
+* :class:`~eqjax.core.qarray.ActQuantKernel` (W8A8, W4A8): the activation is brought to ``[M, K]`` rows
   (its contracted axes in the weight's canonical order), quantized per token and multiplied in
-  integers by :func:`eqjax.linear.act_quant_matmul` (``int8 x int8 -> int32``); the ``[M, N]`` result
+  integers by :func:`eqjax.core.linear.act_quant_matmul` (``int8 x int8 -> int32``); the ``[M, N]`` result
   is put back into the dot's own output layout. Any weight rank and either operand side.
-* :class:`~eqjax.qarray.RotatedKernel`: the activation is rotated along its contracted axis (fast
-  Hadamard transform, :mod:`eqjax.hadamard`), then the inner kernel's dot as above (float or quantized).
-* :class:`~eqjax.qarray.HalfFloat` (a float weight stored in 16 bits): widened, then the dot as the model
+* :class:`~eqjax.core.qarray.RotatedKernel`: the activation is rotated along its contracted axis (fast
+  Hadamard transform, :mod:`eqjax.core.hadamard`), then the inner kernel's dot as above (float or quantized).
+* :class:`~eqjax.core.qarray.HalfFloat` (a float weight stored in 16 bits): widened, then the dot as the model
   wrote it.
-* :class:`~eqjax.qarray.QArray` (weight-only): with a Pallas backend and a plain ``[in, out]``
+* :class:`~eqjax.core.qarray.QArray` (weight-only): with a Pallas backend and a plain ``[in, out]``
   right-hand weight, the packed kernel; otherwise the weight is dequantized in the param's own
   layout, its layout ops replayed, and the dot bound as the model wrote it (same numerics as the
   float model on the dequantized weight).
@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 
 from eqjax.core.analysis import EmbeddingUse, WeightUse
+from eqjax.core.errors import InputError
+from eqjax.core.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
+from eqjax.core.numerics import dequantize, dequantize_leaf
 from eqjax.core.program import Node, Program
+from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
 from eqjax.core.views import apply_view, bind
-from eqjax.errors import InputError
-from eqjax.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
-from eqjax.numerics import dequantize, dequantize_leaf
-from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
 
 __all__ = ["weight_dot", "embedding_gather", "activation_rows", "assemble_output"]
 

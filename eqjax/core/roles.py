@@ -18,8 +18,8 @@ import dataclasses
 from typing import Any
 
 from eqjax.core.analysis import Analysis, Role
-from eqjax.errors import InputError
-from eqjax.qarray import Granularity, per_channel, per_group, per_tensor
+from eqjax.core.errors import InputError
+from eqjax.core.qarray import Granularity, per_channel, per_group, per_tensor
 
 __all__ = ["Layout", "weight_layout", "resolve_granularity", "check_quantizable"]
 

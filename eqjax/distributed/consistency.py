@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from eqjax.distributed.runtime import DistributedError, _STATE, _next_id, kv_client
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
+from eqjax.distributed.runtime import _STATE, DistributedError, _next_id, kv_client
 
 __all__ = ["InconsistentJobError", "fingerprint", "check_same_job"]
 

@@ -1,6 +1,6 @@
 """Merging per-slot statistic partials across the mesh, inside a jitted ``shard_map`` step.
 
-Each device computes one batch's partial of a :class:`eqjax.statistics.Statistic` (the batch it holds
+Each device computes one batch's partial of a :class:`eqjax.calibration.statistics.Statistic` (the batch it holds
 at this step, see :mod:`eqjax.distributed.mesh`); the replicated running state then absorbs the
 step's partials with the statistic's named merge:
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from eqjax.statistics import Statistic, merge
+from eqjax.calibration.statistics import Statistic, merge
 
 __all__ = ["Reduction", "merge_slots", "COLLECTIVES"]
 

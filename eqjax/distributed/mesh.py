@@ -15,7 +15,7 @@ One mesh shape serves one device, many devices and many hosts: ``(data, model)``
   ``1 / model`` of the weights. Jitted steps read a block's params replicated (XLA gathers them:
   one block at a time, transiently).
 
-:func:`use_mesh` sets the mesh that :class:`eqjax.calibrate.Calibrator` and
+:func:`use_mesh` sets the mesh that :class:`eqjax.calibration.calibrate.Calibrator` and
 :func:`eqjax.evaluate.perplexity` use when given none; the default is every device along ``data``.
 """
 

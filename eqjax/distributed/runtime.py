@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from eqjax.errors import InputError, RuntimeFailure
+from eqjax.core.errors import InputError, RuntimeFailure
+from eqjax.distributed.watchdog import Watchdog
 
 __all__ = [
     "DistributedError", "DistributedInfo", "init_distributed", "add_distributed_args", "init_from_args",
@@ -91,7 +92,7 @@ def _int_env(key: str) -> int | None:
 
 def _backend_started() -> bool:
     try:
-        from jax._src import xla_bridge  # noqa: PLC0415 - private, best effort
+        from jax._src import xla_bridge
 
         return bool(xla_bridge._backends)
     except Exception:  # pragma: no cover - internals moved
@@ -101,7 +102,7 @@ def _backend_started() -> bool:
 def kv_client() -> Any:
     """The JAX distributed runtime client (key-value store, barriers), or None single-process."""
     try:
-        from jax._src import distributed as jd  # noqa: PLC0415 - the client has no public accessor
+        from jax._src import distributed as jd
 
         return jd.global_state.client
     except Exception:  # pragma: no cover - internals moved
@@ -170,7 +171,6 @@ def init_distributed(
         ) from None
     _STATE.coordinator, _STATE.timeout_s, _STATE.counter = coordinator_address, float(timeout_s), 0
     if watchdog and num_processes > 1:
-        from eqjax.distributed.watchdog import Watchdog  # noqa: PLC0415
 
         _STATE.watchdog = Watchdog(kv_client(), process_id, num_processes, timeout_s=timeout_s,
                                    coordinator=coordinator_address).start()

@@ -1,7 +1,7 @@
 """Data-parallel statistics on arrays already sharded over a mesh axis, and per-host batch rows.
 
 Lower-level than the Calibrator (which merges partials per step, :mod:`eqjax.distributed.merge`):
-:func:`sharded_statistics` runs a dict of :class:`eqjax.statistics.Statistic` (``absmax()``,
+:func:`sharded_statistics` runs a dict of :class:`eqjax.calibration.statistics.Statistic` (``absmax()``,
 ``xtx()``, ``count()``, ...) on activations ``x [B, ..., K]`` sharded over a mesh axis under
 ``shard_map`` and returns the finalized, replicated values. Every row has weight 1.
 
@@ -28,8 +28,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from eqjax.calibration.statistics import MERGE_FNS, Statistic
 from eqjax.distributed.merge import COLLECTIVES
-from eqjax.statistics import MERGE_FNS, Statistic
 
 __all__ = [
     "DEFAULT_BLOCKS", "tree_sum", "compute_statistics", "sharded_statistics", "sharded_statistic", "host_rows",

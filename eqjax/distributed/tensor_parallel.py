@@ -4,7 +4,7 @@ Scales whose block lies inside one shard stay local (and come back sharded like 
 per-tensor, cross-shard per-channel and cross-shard group ranges are combined with ``pmin`` /
 ``pmax`` (or ``all_gather`` for group ranges that straddle shards). Only ``max``/``min`` reductions
 and elementwise rounding are used, so codes, scales and zero points equal
-:func:`eqjax.numerics.quantize` on the whole weight bitwise for the ``absmax`` and ``minmax``
+:func:`eqjax.core.numerics.quantize` on the whole weight bitwise for the ``absmax`` and ``minmax``
 calibrators. ``percentile`` and ``mse`` ranges are computed on a replicated copy of the weight (one
 full weight per device, transiently). Scales and zero points are derived from the synced ranges in a
 jit, as ``quantize`` does: XLA compiles ``x / constant`` as ``x * (1 / constant)``, so eager and
@@ -24,9 +24,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from eqjax.numerics import QuantSpec, check_finite, compute_range, quantize_with, range_to_qparams
-from eqjax.qarray import QArray, QArrayError, codes_per_word, is_packed, pack_axis_for, per_group, scale_shape
-
+from eqjax.core.numerics import QuantSpec, check_finite, compute_range, quantize_with, range_to_qparams
+from eqjax.core.qarray import QArray, QArrayError, codes_per_word, is_packed, pack_axis_for, per_group, scale_shape
 from eqjax.distributed.mesh import put
 from eqjax.distributed.sharded import _place
 
@@ -169,7 +168,7 @@ def quantize_sharded(
         # percentile / mse: no exact merge of partial ranges; computed on a replicated copy.
         lo, hi = _jit_range(put(w, NamedSharding(mesh, P())), spec)
         lo, hi = (put(a, NamedSharding(mesh, s_spec)) for a in (lo, hi))
-    # Jitted like eqjax.numerics.quantize: XLA turns `/ qmax` into `* (1 / qmax)` when qmax is a
+    # Jitted like eqjax.core.numerics.quantize: XLA turns `/ qmax` into `* (1 / qmax)` when qmax is a
     # compile-time constant, so eager and jitted qparams can differ by 1 ulp.
     scale, zp = _jit_qparams(lo, hi, spec.bits, spec.symmetric, spec.scale_dtype)
     if not bool(jnp.all(jnp.isfinite(scale))):

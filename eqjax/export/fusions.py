@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from eqjax.core.program import Lit, Program, Ref
+from eqjax.core.views import bind
 from eqjax.export.graph import MS_DOMAIN
 from eqjax.export.walker import Fused, Walker
 
@@ -83,7 +84,6 @@ class _P:
 
     def const_value(self, ref: Ref, depth: int = 8) -> np.ndarray | None:
         """The value of a ref computed from constants only (None if it reads args or params)."""
-        from eqjax.core.views import bind  # noqa: PLC0415
 
         if isinstance(ref, Lit):
             return np.asarray(ref.value)
@@ -95,7 +95,7 @@ class _P:
         vals = [self.const_value(r, depth - 1) for r in n.ins]
         if any(v is None for v in vals):
             return None
-        import jax.numpy as jnp  # noqa: PLC0415
+        import jax.numpy as jnp
 
         return np.asarray(bind(n, [jnp.asarray(v) for v in vals])[n.outs.index(ref)])
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
 
 __all__ = ["ExportError", "Graph", "OPSET", "MS_DOMAIN", "onnx_dtype", "topo_sort"]
 

@@ -33,9 +33,18 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 
-from eqjax.export.graph import ExportError, Graph, value_info
+from eqjax.core.analysis import analyze
+from eqjax.core.program import trace
+from eqjax.core.pytree import flatten
+from eqjax.core.qarray import ActQuantKernel
 from eqjax.export.fusions import DecodeContext, find_fusions
+from eqjax.export.graph import ExportError, Graph, value_info
+from eqjax.export.pack import fuse_packed_attention, pack_siblings
+from eqjax.export.qlower import export_params
+from eqjax.export.runtime import check_against_eqjax
 from eqjax.export.walker import Stack, Walker
+from eqjax.io.atomic import atomic_directory
+from eqjax.models import KVCache
 
 __all__ = ["TARGETS", "build_decoder", "export_package", "check_recipe", "genai_config", "tokenizer_files"]
 
@@ -92,7 +101,6 @@ def check_recipe(recipe: Any) -> None:
 
 
 def _decode_step(model: Any) -> Any:
-    from eqjax.models import KVCache  # noqa: PLC0415
 
     def step(params: Any, ids: Any, k: Any, v: Any, length: Any) -> Any:
         logits, c = model.apply(params, ids, cache=KVCache(k, v, length))
@@ -107,12 +115,9 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
     Returns ``(model_proto, info)``; ``info`` counts the fused and quantized ops and lists params that
     had to be dequantized to float.
     """
-    import jax  # noqa: PLC0415
-    from jax import export as jexport  # noqa: PLC0415
+    import jax
+    from jax import export as jexport
 
-    from eqjax.core.analysis import analyze  # noqa: PLC0415
-    from eqjax.core.program import trace  # noqa: PLC0415
-    from eqjax.export.qlower import export_params  # noqa: PLC0415
 
     c = model.config
     L, Hkv, hd = c.n_layers, c.n_kv_heads, c.head_dim
@@ -166,7 +171,6 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
             "gqa": w.counts.get("GroupQueryAttention", 0) == L, "context_length": context_length}
     proto = g.finish(f"eqjax_{getattr(c, 'model_type', 'decoder')}")
     if fuse:
-        from eqjax.export.pack import fuse_packed_attention, pack_siblings  # noqa: PLC0415
 
         info["packed_matmuls"] = pack_siblings(proto)
         info["packed_attention"] = fuse_packed_attention(proto)
@@ -230,7 +234,6 @@ def export_package(model: Any, params: Mapping[str, Any], out: str | os.PathLike
     ``check`` runs ``onnx.checker`` and compares onnxruntime's logits with eqjax's on a short prompt and one
     decode step (tolerances in :func:`eqjax.export.runtime.check_against_eqjax`).
     """
-    from eqjax.atomic import atomic_directory  # noqa: PLC0415
 
     if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}; choose one of {sorted(TARGETS)}")
@@ -250,11 +253,8 @@ def export_package(model: Any, params: Mapping[str, Any], out: str | os.PathLike
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
         if check:
-            from eqjax.export.runtime import check_against_eqjax  # noqa: PLC0415
 
             ids = tokenizer.encode(CHECK_TEXT)[:16] if tokenizer is not None else None
-            from eqjax.pytree import flatten  # noqa: PLC0415
-            from eqjax.qarray import ActQuantKernel  # noqa: PLC0415
 
             # int8 activations (W8A8, or accuracy level 4) round differently once float sums differ in the
             # last bit, and a flipped code propagates: those get the loose tolerance, the rest the tight one

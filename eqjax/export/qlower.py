@@ -16,7 +16,7 @@ weight-only, 2 / 4 / 8 bits            ``com.microsoft.MatMulNBits``: B ``[N, K/
                                        ``accuracy_level`` from the target (:mod:`eqjax.export.package`)
 weight-only, 5..7 bits                 ``DequantizeLinear`` (canonical ``[K, N]``, per-axis or blocked)
                                        -> ``MatMul``
-ActQuantKernel (W8A8)                  per-token int8 activations as :func:`eqjax.linear.quantize_activations`
+ActQuantKernel (W8A8)                  per-token int8 activations as :func:`eqjax.core.linear.quantize_activations`
                                        (scale ``ReduceMax(Abs) / 127``, codes by ``QuantizeLinear`` per
                                        row, once per input: siblings share them), then
                                        ``com.microsoft.MatMulIntegerToFloat`` with uint8 activations
@@ -44,9 +44,11 @@ from typing import Any
 import numpy as np
 import onnx
 
+from eqjax.core.hadamard import hadamard_factor_matrices
+from eqjax.core.numerics import codes, expand_scale, integer_values
+from eqjax.core.pytree import flatten, is_leaf
+from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
 from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
-from eqjax.numerics import codes, expand_scale, integer_values
-from eqjax.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
 
 __all__ = ["Blocked", "blocked", "check_exportable", "export_params", "emit_weight_matmul",
            "emit_matmul", "emit_gather", "W8A8_ZERO_POINT", "S8_WEIGHT_LIMIT",
@@ -58,12 +60,11 @@ W8A8_ZERO_POINT = 128
 
 
 def export_params(params: Any) -> tuple[Any, dict[str, Any]]:
-    """``(params to trace, path -> leaf)``: a :class:`~eqjax.qarray.RotatedKernel` is traced as a float
+    """``(params to trace, path -> leaf)``: a :class:`~eqjax.core.qarray.RotatedKernel` is traced as a float
     array of its logical shape (the walker lowers its online rotation at the weight use,
     :func:`emit_weight_matmul`) and kept whole in the path map."""
-    import jax  # noqa: PLC0415
+    import jax
 
-    from eqjax.pytree import flatten, is_leaf  # noqa: PLC0415
 
     def leaf(x: Any) -> bool:
         return is_leaf(x) or isinstance(x, RotatedKernel)
@@ -75,7 +76,7 @@ def export_params(params: Any) -> tuple[Any, dict[str, Any]]:
 
 def lowered_at_use(leaf: Any) -> bool:
     """True for a quantized leaf, lowered where a matmul or gather reads it (ONNX) / written as blocks
-    (GGUF); False for float params and a :class:`~eqjax.qarray.HalfFloat` (a float tensor:
+    (GGUF); False for float params and a :class:`~eqjax.core.qarray.HalfFloat` (a float tensor:
     :func:`half_initializer`, or widened to float32)."""
     return is_quantized(leaf) and not isinstance(leaf, HalfFloat)
 
@@ -235,8 +236,7 @@ def emit_matmul(g: Graph, x: str, leaf: Any, use: Any, *, hint: str, accuracy_le
 
 def emit_rotation(g: Graph, x: str, leaf: RotatedKernel, rank: int, *, hint: str) -> str:
     """``x [..., n] @ Q`` (``rank`` = x's rank) for a RotatedKernel's online Hadamard: what
-    :func:`eqjax.hadamard.hadamard_transform` computes, in ``O(n (b + p))`` per row."""
-    from eqjax.hadamard import hadamard_factor_matrices  # noqa: PLC0415
+    :func:`eqjax.core.hadamard.hadamard_transform` computes, in ``O(n (b + p))`` per row."""
 
     n = int(leaf.shape[leaf.axis])
     hb, sp = hadamard_factor_matrices(n)

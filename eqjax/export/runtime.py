@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from eqjax.evaluate import ulp_bumped
+from eqjax.export.graph import ExportError
+
 __all__ = ["make_session", "Runner", "perplexity", "check_against_eqjax"]
 
 
@@ -26,8 +29,8 @@ def make_session(path: Any, *, threads: int | None = None, optimization: str = "
     ``qdq_accuracy_level`` sets ``session.qdq_matmulnbits_accuracy_level`` (onnxruntime rewrites
     DequantizeLinear -> MatMul into MatMulNBits with it; 0 keeps float activations).
     """
-    import onnx  # noqa: PLC0415
-    import onnxruntime as ort  # noqa: PLC0415
+    import onnx
+    import onnxruntime as ort
 
     so = ort.SessionOptions()
     if threads:
@@ -128,9 +131,8 @@ def check_against_eqjax(model: Any, params: Any, package: Any, *, accuracy_level
     ulp); the tolerance is ``max(0.1, 2 x that spread)`` (on SmolLM2 W8A8 the one-ulp spread alone reaches
     0.11 of the logit range). Raises :class:`~eqjax.export.graph.ExportError` beyond.
     """
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax.numpy as jnp
 
-    from eqjax.export.graph import ExportError  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, model.config.vocab, (1, prompt_len + 1)) if tokens is None else np.asarray(tokens)[None]
@@ -145,7 +147,6 @@ def check_against_eqjax(model: Any, params: Any, package: Any, *, accuracy_level
     rel = float(np.abs(got - ref).max()) / scale
     tol, spread = 2e-3, None
     if accuracy_level:
-        from eqjax.evaluate import ulp_bumped  # noqa: PLC0415
 
         bump = ulp_bumped(params, 1)
         spread = float(np.abs(np.asarray(model.apply(bump, jnp.asarray(toks, jnp.int32))[0]) - ref).max()) / scale

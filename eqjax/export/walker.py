@@ -27,13 +27,12 @@ import jax
 import numpy as np
 
 from eqjax.core.analysis import Analysis
-from eqjax.core.views import bind, view_nodes
+from eqjax.core.numerics import dequantize_leaf
 from eqjax.core.program import Lit, Program, Ref
+from eqjax.core.qarray import ActQuantKernel, is_quantized
+from eqjax.core.views import bind, view_nodes
 from eqjax.export.graph import ExportError, Graph, onnx_dtype
-from eqjax.export.qlower import (check_exportable, emit_gather, emit_table_gather, emit_weight_matmul,
-                                 half_initializer, lowered_at_use)
-from eqjax.numerics import dequantize_leaf
-from eqjax.qarray import ActQuantKernel, is_quantized
+from eqjax.export.qlower import check_exportable, emit_gather, emit_table_gather, emit_weight_matmul, half_initializer, lowered_at_use
 
 __all__ = ["Stack", "Walker", "Fused"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
 from eqjax.models import GPT2Config, LlamaConfig, to_hf_config
 
 __all__ = ["to_hf_flax"]

@@ -36,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from eqjax.tokenizer import Tokenizer, TokenizerError
+from eqjax.io.hf import CheckpointError
+from eqjax.io.tokenizer import Tokenizer, TokenizerError
+from eqjax.models.config import ConfigError, LlamaConfig
 
 __all__ = [
     "GGUFError",
@@ -66,13 +68,7 @@ _LAYER_TENSORS = {
 }
 
 
-try:  # one error type for every checkpoint format
-    from eqjax.io.hf import CheckpointError as _CheckpointError
-except ImportError:  # pragma: no cover - hf.py is part of the package
-    _CheckpointError = ValueError  # type: ignore[misc,assignment]
-
-
-class GGUFError(_CheckpointError):
+class GGUFError(CheckpointError):
     """A GGUF file is missing, not GGUF, truncated, or describes a model eqjax cannot load.
 
     A :class:`eqjax.io.hf.CheckpointError` (hence a ``ValueError``)."""
@@ -147,7 +143,7 @@ def read_metadata(path: str | os.PathLike[str], *, tokenizer: bool = True) -> di
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None = None, *, pre: str | None = None) -> Tokenizer:
-    """The byte-level BPE :class:`~eqjax.tokenizer.Tokenizer` of a GGUF file (default:
+    """The byte-level BPE :class:`~eqjax.io.tokenizer.Tokenizer` of a GGUF file (default:
     :func:`default_model_path`); ``pre`` overrides the file's pre-tokenizer name (``"gpt2"``:
     transformers' ids). Raises :class:`GGUFError` for an unreadable file, :class:`TokenizerError`
     for metadata eqjax cannot rebuild a tokenizer from."""
@@ -162,7 +158,6 @@ def config_from_metadata(meta: dict[str, Any], *, source: str = "GGUF metadata",
     tokens or the embedding rows. Raises :class:`GGUFError` for another architecture, missing keys or
     features eqjax does not support (MoE, partial RoPE, YaRN scaling).
     """
-    from eqjax.models.config import ConfigError, LlamaConfig
 
     arch = meta.get("general.architecture")
     if arch != "llama":

@@ -10,7 +10,7 @@ eqjax leaf (a matmul kernel or the table)      GGUF tensor
                                                (the one rounding: at most half a float16 ulp of ``m``)
 8-bit symmetric (-127..127)                    ``Q8_0``: ``d = scale``, int8 codes: exact
 float (norm scales, unquantized weights)       ``F32``: exact
-float16 :class:`~eqjax.qarray.HalfFloat`        ``F16``: exact (a bfloat16 one is written ``F32``, exact)
+float16 :class:`~eqjax.core.qarray.HalfFloat`        ``F16``: exact (a bfloat16 one is written ``F32``, exact)
 =============================================  ==============================================================
 
 The scale (and zero point) must be constant over every block of 32 inputs: per output channel, or
@@ -35,9 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from eqjax.core.numerics import dequantize_leaf
+from eqjax.core.pytree import flatten
+from eqjax.core.qarray import ActQuantKernel, QArray, is_quantized
+from eqjax.export.graph import ExportError
+from eqjax.export.qlower import blocked, half_initializer, lowered_at_use
+from eqjax.io.atomic import atomic_path, check_output_file
 from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_gguf, tensor_plan
-from eqjax.pytree import flatten
-from eqjax.qarray import ActQuantKernel, QArray, is_quantized
 
 __all__ = ["export_gguf", "gguf_blocks", "permute_qk", "BLOCK"]
 
@@ -87,8 +91,6 @@ def gguf_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, 
 
 def _torch_blocks(leaf: Any, linear: bool, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Unsigned codes ``[rows, K]`` and per-32 scales / zero points of a quantized leaf, in torch layout."""
-    from eqjax.export.graph import ExportError  # noqa: PLC0415
-    from eqjax.export.qlower import blocked  # noqa: PLC0415
 
     if isinstance(leaf, ActQuantKernel) or not isinstance(leaf, QArray):
         raise GGUFError(f"{path}: {type(leaf).__name__} (activation quantization / rotation) cannot be written to GGUF; "
@@ -130,11 +132,8 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
     summary: tensor types and counts, bytes, and the read-back check (``max_abs_diff`` of the file's
     dequantized weights against eqjax's, per tensor type).
     """
-    import gguf  # noqa: PLC0415
+    import gguf
 
-    from eqjax.atomic import atomic_path, check_output_file  # noqa: PLC0415
-    from eqjax.export.qlower import half_initializer, lowered_at_use  # noqa: PLC0415
-    from eqjax.numerics import dequantize_leaf  # noqa: PLC0415
 
     src = os.fspath(source)
     out = check_output_file(out, overwrite=overwrite, what="GGUF file")
@@ -220,45 +219,3 @@ def check_gguf_recipe(recipe: Any) -> None:
                 raise GGUFError(f"recipe {recipe.name!r}: groups of {size} are not whole GGUF blocks of {BLOCK}")
 
 
-def add_gguf_args(p: Any) -> Any:
-    """Arguments of ``eqjax export-gguf``."""
-    p.add_argument("--recipe", required=True, help="a weight-only 4/8-bit recipe (e.g. w4g128-gptq, w4g128-rtn-sym, w8)")
-    p.add_argument("--out", required=True, help="output .gguf file")
-    p.add_argument("--model", default=None, help="source GGUF file (default: the bundled SmolLM2-135M); its "
-                   "metadata and tokenizer are copied")
-    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes")
-    p.add_argument("--calib-len", type=int, default=512)
-    return p
-
-
-def gguf_main(args: Any) -> int:
-    """``eqjax export-gguf``: quantize with ``--recipe``, write ``--out``, read it back and report."""
-    from eqjax.io.gguf import default_model_path  # noqa: PLC0415
-    from eqjax.models import Model  # noqa: PLC0415
-    from eqjax.recipe import quantize  # noqa: PLC0415
-    from eqjax.recipes import get_recipe  # noqa: PLC0415
-
-    from eqjax.io.gguf import read_metadata  # noqa: PLC0415
-
-    recipe = get_recipe(args.recipe)
-    check_gguf_recipe(recipe)
-    src = args.model or default_model_path()
-    c = config_from_metadata(read_metadata(src), source=str(src))
-    widths = {"hidden": c.hidden, "intermediate": c.intermediate, "heads x head_dim": c.n_heads * c.head_dim}
-    bad = {k: v for k, v in widths.items() if v % BLOCK}
-    if bad and recipe.steps:
-        raise GGUFError(f"{src}: {', '.join(f'{k} {v}' for k, v in bad.items())} not a multiple of {BLOCK}: GGUF "
-                        "blocks cannot hold its quantized weights")
-    cfg, params, tok = load_gguf(src)
-    cal = None
-    if recipe.needs_calibration:
-        from eqjax.data import calibration_windows, wikipedia_tokens  # noqa: PLC0415
-
-        cal = calibration_windows(wikipedia_tokens(tok)[0], args.calib_windows, args.calib_len, 0)
-    qparams = quantize(params, recipe, model=Model(cfg), calibration=cal, seed=0)
-    info = export_gguf(qparams, args.out, source=src, overwrite=getattr(args, "overwrite", False))
-    types = ", ".join(f"{k} x{v}" for k, v in info["tensor_types"].items())
-    print(f"wrote {info['path']} ({info['bytes'] / 2**20:.1f} MiB, recipe {recipe.name}, file type {info['file_type']}; "
-          f"tensors: {types})")
-    print("  read back: max |file - eqjax| per type: " + ", ".join(f"{k} {v:.2e}" for k, v in info["check"].items()))
-    return 0

@@ -45,11 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
+from eqjax.core.numerics import dequantize_leaf
+from eqjax.io.atomic import atomic_path, write_text
 from eqjax.models import Model
 from eqjax.models.config import ConfigError, GPT2Config, ModelConfig
 from eqjax.models.hf_config import from_hf_config, to_hf_config
-from eqjax.numerics import dequantize_leaf
 
 __all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "hf_name"]
 
@@ -62,7 +63,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 class CheckpointError(InputError):
     """A checkpoint is missing, malformed, or disagrees with its config (an
-    :class:`~eqjax.errors.InputError`, hence a ``ValueError``)."""
+    :class:`~eqjax.core.errors.InputError`, hence a ``ValueError``)."""
 
 
 Path_ = tuple[str, ...]
@@ -462,7 +463,6 @@ def save_hf_checkpoint(
 
             value = value.astype(ml_dtypes.bfloat16)
         out[name] = np.ascontiguousarray(value.astype(np.float16) if dtype == "float16" else value)
-    from eqjax.atomic import atomic_path, write_text  # noqa: PLC0415
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

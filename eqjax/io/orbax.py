@@ -54,12 +54,18 @@ from typing import Any, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.atomic import deferred_interrupts
-from eqjax.errors import CompatibilityError, InputError, RuntimeFailure
+from eqjax.core.errors import CompatibilityError, InputError, RuntimeFailure
+from eqjax.core.linear import ActQuantKernel
+from eqjax.core.pytree import flatten, path_str
+from eqjax.core.qarray import Granularity, HalfFloat, QArray, QArrayError, RotatedKernel, validate, validate_half
+from eqjax.core.validate import check_params
+from eqjax.distributed.mesh import default_mesh, put, replicated
+from eqjax.distributed.runtime import barrier, broadcast_str, is_main_process, set_stage
+from eqjax.io.atomic import atomic_directory, check_output_dir, deferred_interrupts
 from eqjax.io.hf import CheckpointError
-from eqjax.linear import ActQuantKernel
-from eqjax.pytree import flatten
-from eqjax.qarray import Granularity, HalfFloat, QArray, QArrayError, RotatedKernel, validate, validate_half
+from eqjax.methods.kvquant import KVQuant
+from eqjax.models import Model, to_hf_config
+from eqjax.models.hf_config import from_hf_config
 
 __all__ = ["save_quantized", "load_quantized", "read_manifest", "FORMAT_VERSION", "model_fingerprint", "check_compatible",
            "recipe_kv", "is_partial_checkpoint", "CHECKPOINT_ENTRIES"]
@@ -159,7 +165,6 @@ def _logical_shape(leaf: Any) -> list[int]:
 
 def model_fingerprint(model_or_config: Any) -> str:
     """SHA-256 of a model's config (as HF config.json keys) and of every parameter's path and shape."""
-    from eqjax.models import Model, to_hf_config
 
     model = model_or_config if isinstance(model_or_config, Model) else Model(model_or_config)
     shapes = {p: list(s) for p, s in _shape_leaves(model.param_shapes())}
@@ -170,7 +175,6 @@ def model_fingerprint(model_or_config: Any) -> str:
 def _shape_leaves(shapes: Any) -> list[tuple[str, tuple[int, ...]]]:
     import jax
 
-    from eqjax.pytree import path_str
 
     leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
     return [(path_str(k), tuple(int(d) for d in s)) for k, s in leaves]
@@ -194,7 +198,6 @@ def recipe_kv(manifest: dict[str, Any]) -> Any:
     kv = manifest.get("kv")
     if not kv:
         return None
-    from eqjax.methods.kvquant import KVQuant
 
     return KVQuant(**{k: kv[k] for k in _KV_FIELDS if k in kv})
 
@@ -316,16 +319,13 @@ def save_quantized(
 ) -> pathlib.Path:
     """Write ``params`` (nested dicts whose leaves are arrays, QArrays or ActQuantKernels) atomically.
 
-    ``recipe``: a :class:`~eqjax.recipe.Recipe` (recorded in full, KV settings included) or its name.
+    ``recipe``: a :class:`~eqjax.recipes.types.Recipe` (recorded in full, KV settings included) or its name.
     ``model``: the :class:`~eqjax.models.Model` the params belong to (its config and fingerprint are
     recorded so that loading into another model is refused); ``model_config`` (HF config keys) is the
     older way to record the config alone. ``directory`` must be new or empty unless ``overwrite``.
     """
     import orbax.checkpoint as ocp
 
-    from eqjax.atomic import atomic_directory, check_output_dir
-    from eqjax.models import to_hf_config
-    from eqjax.schema import check_params
 
     root = pathlib.Path(directory).absolute()
     _check_params_arg(params)
@@ -340,7 +340,6 @@ def save_quantized(
     fingerprint = model_fingerprint(model) if model is not None else None
     if fingerprint is None and model_config is not None:
         try:
-            from eqjax.models.hf_config import from_hf_config
 
             fingerprint = model_fingerprint(from_hf_config(model_config))
         except Exception:  # noqa: BLE001 - a config we cannot rebuild is recorded without a fingerprint
@@ -371,7 +370,6 @@ def _global(arrays: dict[str, Any]) -> dict[str, Any]:
     """Every array as a global jax.Array on the current mesh (host / single-device leaves replicated)."""
     import jax
 
-    from eqjax.distributed.mesh import default_mesh, put, replicated
 
     rep = replicated(default_mesh())
     out = {}
@@ -386,8 +384,6 @@ def _save_together(root: pathlib.Path, arrays: dict[str, Any], manifest: Any, ov
     """The multi-process save (see the module docs); every process calls it."""
     import orbax.checkpoint as ocp
 
-    from eqjax.atomic import atomic_directory
-    from eqjax.distributed.runtime import barrier, broadcast_str, is_main_process, set_stage
 
     set_stage(f"saving {root}")
 
@@ -470,7 +466,6 @@ def _verify_files(root: pathlib.Path, table: Any) -> None:
 def check_compatible(manifest: dict[str, Any], model: Any, *, source: str = "checkpoint") -> None:
     """Refuse a checkpoint made for another model: CompatibilityError naming the config key or the
     parameter path with the expected (model) and found (checkpoint) values."""
-    from eqjax.models import to_hf_config
 
     want_cfg = to_hf_config(model.config)
     have_cfg = manifest.get("model_config")
@@ -548,7 +543,6 @@ def _restore(ocp: Any, path: pathlib.Path) -> dict[str, Any]:
     """The arrays, each replicated on the current mesh (whatever mesh or process count saved them)."""
     import jax
 
-    from eqjax.distributed.mesh import default_mesh, replicated
 
     ck = ocp.StandardCheckpointer()
     tree = ck.metadata(path).item_metadata.tree
@@ -568,7 +562,6 @@ def load_quantized(directory: str | os.PathLike[str], *, model: Any = None, veri
     """
     import orbax.checkpoint as ocp
 
-    from eqjax.schema import check_params
 
     root = pathlib.Path(directory).absolute()
     manifest = read_manifest(root)

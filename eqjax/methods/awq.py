@@ -38,14 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.calibration.statistics import abs_sum, xtx
 from eqjax.core.analysis import WeightUse, from_weight_matrix, matrix_to_slice, slice_to_matrix, weight_matrix
+from eqjax.core.errors import InputError
 from eqjax.core.folds import Fold
-from eqjax.errors import InputError
+from eqjax.core.numerics import QuantSpec, fake_quantize
 from eqjax.methods.grid import group_ids
-from eqjax.methods.rtn import concrete_spec
-from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.rules import Rule
-from eqjax.statistics import abs_sum, xtx
+from eqjax.methods.rtn import concrete_spec, step_targets, weight_step_spec
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["AWQ", "search_scale", "search_clip", "apply_fold", "NO_CLIP"]
 
@@ -191,12 +192,10 @@ class AWQ:
 
     def spec(self) -> QuantSpec:
         """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
-        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
 
         return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
 
         cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
@@ -246,6 +245,5 @@ class AWQ:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "AWQ":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
         return cls(**step_kwargs(cls, d, "awq", exclude=(), tuples=("no_clip",)))

@@ -3,7 +3,7 @@
 The algorithm follows the reference ``fasterquant`` (IST-DASLab/gptq), transposed to our ``[in, out]``
 kernels (the reference's ``W [out, in]`` is ``kernel.T``; its "columns" are our input features):
 
-* ``H = 2 X^T X / n`` over the calibration tokens feeding the layer (:func:`eqjax.calibrate.xtx`);
+* ``H = 2 X^T X / n`` over the calibration tokens feeding the layer (:func:`eqjax.calibration.statistics.xtx`);
 * dead inputs (``H_ii == 0``): ``H_ii = 1`` and the weight row is zeroed;
 * act-order: inputs permuted by ``diag(H)`` descending;
 * damping ``H += percdamp * mean(diag H) * I``; if the Cholesky factorization fails (H not positive
@@ -17,7 +17,7 @@ kernels (the reference's ``W [out, in]`` is ``kernel.T``; its "columns" are our 
   Act-order with groups always uses static groups: each input feature then keeps the scale of its
   *own* contiguous group, so the result is an ordinary ``per_group(0, G)`` QArray (no ``g_idx``).
 
-Grids are eqjax's (:func:`eqjax.numerics.range_to_qparams`): asymmetric min/max with an integer zero
+Grids are eqjax's (:func:`eqjax.core.numerics.range_to_qparams`): asymmetric min/max with an integer zero
 point, symmetric on all ``2**b`` codes (``2 absmax / (2**b - 1)``, the reference's grid; ``full_range=False``:
 ``absmax / (2**(b-1) - 1)``, 15 codes at 4 bits); or, with ``grid="search"``, static grids searched up
 front per (group, output) to minimize the ``H``-weighted output error of round to nearest
@@ -43,14 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
+from eqjax.calibration.statistics import xtx
 from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
+from eqjax.core.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
+from eqjax.core.qarray import QArray, QArrayError, per_channel, per_group
+from eqjax.distributed.mesh import put
 from eqjax.methods.grid import grids_to_param, group_ids, place_grid, search_grid
-from eqjax.methods.rtn import concrete_spec
-from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
-from eqjax.qarray import QArray, QArrayError, per_channel, per_group
-from eqjax.rules import Rule, assign
-from eqjax.statistics import xtx
+from eqjax.methods.rtn import concrete_spec, step_targets, unused_rule_error, weight_step_spec
+from eqjax.recipes.rules import Rule, assign, rule_from_dict
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_size_for", "hessian_cholesky"]
 
@@ -280,10 +282,9 @@ def _gptq_columns(mesh: Any, W: jax.Array, U: jax.Array, perm: jax.Array, gid: j
     ``mesh`` (:mod:`eqjax.distributed`): given the shared ``U``, GPTQ treats each output channel on its
     own, and a row split rounds every matmul exactly as one device does, so the result is bitwise the
     same. ``Q [out, in]`` and the grids ``[n_groups, out]`` come back split along ``out``."""
-    from jax.sharding import NamedSharding  # noqa: PLC0415
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from eqjax.distributed.mesh import put  # noqa: PLC0415
 
     axes = tuple(mesh.axis_names)
     W = put(W, NamedSharding(mesh, P(axes, None)))
@@ -294,7 +295,7 @@ def _gptq_columns(mesh: Any, W: jax.Array, U: jax.Array, perm: jax.Array, gid: j
 
 @functools.lru_cache(maxsize=64)
 def _sharded_core(mesh: Any, n_groups: int, kw_items: tuple) -> Any:
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P
 
     kw = dict(kw_items)
     axes = tuple(mesh.axis_names)
@@ -341,7 +342,7 @@ class GPTQ:
     ``true_sequential`` the input groups of a block (q/k/v, o, gate/up, down) are quantized one after
     another, each calibrated with the earlier groups already quantized. The first ``sink_tokens``
     positions of every calibration window get ``sink_weight`` in the Hessian (see
-    :mod:`eqjax.calibrate`). Default: the first token weighs as 32 tokens. Why: the attention-sink
+    :mod:`eqjax.calibration.calibrate`). Default: the first token weighs as 32 tokens. Why: the attention-sink
     token's key and value are read by every later query of the window (most of the attention mass in
     SmolLM2), so an error in its ``v_proj`` output reaches every position, while ``H`` counts it as one
     token in 512; with weight 1, GPTQ trades the sink's error away for the other tokens' (SmolLM2
@@ -413,7 +414,6 @@ class GPTQ:
 
     def spec(self) -> QuantSpec:
         """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
-        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
 
         return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
@@ -424,7 +424,6 @@ class GPTQ:
     def targets(self, params: Mapping[str, Any], ctx: Any) -> tuple[Any, dict[str, QuantSpec]]:
         """The calibrator and ``{path: stored format}`` of the still-float matmul weights this step
         quantizes (``spec()`` for all, or each one's first matching rule); InputError if none."""
-        from eqjax.methods.rtn import step_targets, unused_rule_error  # noqa: PLC0415
 
         cal, paths = step_targets(self, params, ctx)
         if not self.rules:
@@ -493,8 +492,6 @@ class GPTQ:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "GPTQ":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
-        from eqjax.rules import rule_from_dict  # noqa: PLC0415
 
         d = dict(d)
         rules = d.pop("rules", None)

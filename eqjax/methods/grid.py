@@ -13,9 +13,9 @@ mean(diag H)`` so a group whose inputs never fire still gets a sensible grid.
 :func:`search_grid` tries, per ``(group, output)``:
 
 * symmetric: ``scale = r * absmax / d`` for ``r`` in ``linspace(min_ratio, 1, n_grid)`` (``d`` of the
-  spec's grid, :func:`eqjax.numerics.symmetric_divisor`; a full-range grid also tries the 15-code step);
+  spec's grid, :func:`eqjax.core.numerics.symmetric_divisor`; a full-range grid also tries the 15-code step);
 * asymmetric: ranges ``[r_lo * min, r_hi * max]`` for ``r_lo, r_hi`` on a ``sqrt(n_grid)``-point grid
-  in ``[min_ratio, 1]`` (zero point rounded as :func:`eqjax.numerics.range_to_qparams` does);
+  in ``[min_ratio, 1]`` (zero point rounded as :func:`eqjax.core.numerics.range_to_qparams` does);
 
 each candidate's scale rounded to the stored ``scale_dtype``; then ``refine`` rounds of weighted least
 squares: with the best codes fixed, the scale (and zero point, rounded to an integer code) that fit the
@@ -43,12 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqjax.calibration.statistics import xtx
 from eqjax.core.analysis import WeightUse, weight_matrix
-from eqjax.errors import InputError
-from eqjax.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds, symmetric_divisor
-from eqjax.qarray import scale_shape
-from eqjax.rules import Rule
-from eqjax.statistics import xtx
+from eqjax.core.errors import InputError
+from eqjax.core.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds, symmetric_divisor
+from eqjax.core.qarray import scale_shape
+from eqjax.methods.rtn import concrete_spec, step_targets, weight_step_spec
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["search_grid", "grid_blocks", "weighted_error", "SearchedRTN", "Weighting", "group_ids", "grids_to_param",
            "place_grid"]
@@ -280,7 +282,6 @@ class SearchedRTN:
 
     def spec(self) -> QuantSpec:
         """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
-        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
 
         return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
@@ -289,9 +290,7 @@ class SearchedRTN:
                     damp=self.damp)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        from eqjax.methods.rtn import concrete_spec  # noqa: PLC0415
 
-        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
 
         cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
@@ -321,7 +320,6 @@ class SearchedRTN:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "SearchedRTN":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
         return cls(**step_kwargs(cls, d, "rtn_search", exclude=()))
 

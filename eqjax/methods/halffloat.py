@@ -1,7 +1,7 @@
 """Float params stored in 16 bits: the step behind a recipe's ``+f16`` / ``+bf16`` suffix.
 
 :class:`HalfFloats` replaces every param that is still a float32 / float64 array (not quantized by an
-earlier step) and whose path matches ``pattern`` by a :class:`~eqjax.qarray.HalfFloat`: its values
+earlier step) and whose path matches ``pattern`` by a :class:`~eqjax.core.qarray.HalfFloat`: its values
 rounded to nearest float16 (or bfloat16), standing for that rounded array in the param's own dtype.
 Every reader widens it (eqjax's models, the traced interpreter, the ONNX and GGUF writers), so the
 model computes exactly as before on params rounded to 16 bits; only storage shrinks: norm scales,
@@ -21,8 +21,9 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.errors import InputError
-from eqjax.qarray import HalfFloat, is_quantized
+from eqjax.core.errors import InputError
+from eqjax.core.qarray import HalfFloat, is_quantized
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["HalfFloats", "HALF_KINDS"]
 
@@ -74,6 +75,5 @@ class HalfFloats:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "HalfFloats":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
         return cls(**step_kwargs(cls, d, "half", exclude=()))

@@ -9,7 +9,7 @@ int8). LKD then trains each block, one at a time, to match the float teacher:
   straight-through estimator (rounding passes the gradient unchanged), trained with Adam (optax) on
   the block-output MSE, ``steps`` steps of ``micro_batch`` calibration batches;
 * the trained float weights are then quantized with the same rule (round to nearest) into
-  :class:`~eqjax.qarray.ActQuantKernel` s. Per block, the real quantized output error with and
+  :class:`~eqjax.core.qarray.ActQuantKernel` s. Per block, the real quantized output error with and
   without the training is measured on all calibration batches and the better params kept, so LKD
   never makes a block worse on the calibration set.
 
@@ -30,15 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqjax.blockfit import StepBudget, share_budget, shared_jit
-from eqjax.calibrate import block_mse
+from eqjax.calibration.blockfit import StepBudget, share_budget, shared_jit
+from eqjax.calibration.calibrate import block_mse
 from eqjax.core.analysis import WeightUse
-from eqjax.linear import quantize_activations
+from eqjax.core.errors import RecipeError
+from eqjax.core.linear import quantize_activations
+from eqjax.core.numerics import QuantSpec, fake_quantize
+from eqjax.core.qarray import is_quantized
 from eqjax.methods.rtn import concrete_spec, quantize_by_rules, zeroquant_rule
-from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.qarray import is_quantized
-from eqjax.recipe import RecipeError
-from eqjax.rules import Rule
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["ZeroQuantLKD", "zeroquant_rule", "fake_quant_hook"]
 
@@ -54,7 +55,7 @@ def _ste(x: jax.Array, fq: Callable[[jax.Array], jax.Array]) -> jax.Array:
 
 def _fake_quant_tokens(x: jax.Array, use: WeightUse, bits: int) -> jax.Array:
     """Per-token fake quantization of an activation over its contracted axes: exactly the activation
-    quantization of eqjax's W8A8 matmul (:func:`eqjax.linear.quantize_activations` on the rows)."""
+    quantization of eqjax's W8A8 matmul (:func:`eqjax.core.linear.quantize_activations` on the rows)."""
     others = tuple(a for a in range(x.ndim) if a not in use.x_contracting)
     perm = others + tuple(use.x_contracting)
     xt = jnp.transpose(x, perm)
@@ -93,7 +94,7 @@ class ZeroQuantLKD:
         block-output MSE on the calibration batches.
       time_budget: seconds of training for the whole step (None: no limit): each block gets the time
         left divided by the blocks left, and fewer than ``steps`` steps when that runs out
-        (:class:`eqjax.blockfit.StepBudget`).
+        (:class:`eqjax.calibration.blockfit.StepBudget`).
     """
 
     bits: int = 8
@@ -116,9 +117,8 @@ class ZeroQuantLKD:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "ZeroQuantLKD":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
-        return cls(**step_kwargs(cls, d, "zeroquant_lkd"))
+        return cls(**step_kwargs(cls, d, "zeroquant_lkd", exclude=()))
 
     @property
     def rule(self) -> Rule:

@@ -10,7 +10,7 @@ What it does to a Llama-family param tree (eqjax's own :class:`~eqjax.models.Mod
 1. **Norm scales folded** into the weights reading them: ``attn_norm`` into the rows of q/k/v,
    ``mlp_norm`` into gate/up, ``final_norm`` into the LM head; the norms' scales become 1 (RMSNorm
    without a scale commutes with an orthogonal map: ``rms(h Q) = rms(h)``).
-2. **Residual stream rotated** by ``Q = diag(s) H_D / sqrt(D)`` (:mod:`eqjax.hadamard`; a random
+2. **Residual stream rotated** by ``Q = diag(s) H_D / sqrt(D)`` (:mod:`eqjax.core.hadamard`; a random
    orthogonal matrix with ``residual="random"`` or when no Hadamard of order ``D`` is built): the
    embedding's rows ``E Q``; every weight reading the residual (q/k/v, gate/up, LM head) ``Q^T W``;
    every weight writing into it (o_proj, down_proj; o_proj's bias) ``W Q``. A tied embedding is
@@ -20,20 +20,20 @@ What it does to a Llama-family param tree (eqjax's own :class:`~eqjax.models.Mod
    ``Q_hd``, the matching rows of ``o_proj`` (every query head of the kv head) times ``Q_hd^T``:
    exact offline, and ``o_proj``'s input is rotated within each head.
 4. **Online Hadamard before down_proj** (``online_down``): ``down_proj`` becomes a
-   :class:`~eqjax.qarray.RotatedKernel` holding ``Q_F^T W_down``; its use rotates the activation by
+   :class:`~eqjax.core.qarray.RotatedKernel` holding ``Q_F^T W_down``; its use rotates the activation by
    ``Q_F`` with the fast transform (``O(F log F)`` per token; :mod:`eqjax.core.qdot` for any traced
-   model, :func:`eqjax.linear.linear` for eqjax's models).
+   model, :func:`eqjax.core.linear.linear` for eqjax's models).
 
 The ``then`` steps (RTN, GPTQ, AWQ, ...) run on the rotated float model through a fresh
-:class:`~eqjax.recipe.Context` whose model call includes the online transforms, so calibration
+:class:`~eqjax.recipes.types.Context` whose model call includes the online transforms, so calibration
 statistics (GPTQ's Hessians) are those of the rotated activations; their results are wrapped back
 (``RotatedKernel`` around down_proj's quantized kernel; ``act_bits``: every quantized layer weight
-in an :class:`~eqjax.qarray.ActQuantKernel` with dynamic per-token activations, e.g. W4A8 after
+in an :class:`~eqjax.core.qarray.ActQuantKernel` with dynamic per-token activations, e.g. W4A8 after
 GPTQ). The untied LM head is a matmul weight like the others: the ``then`` steps' rules decide (the
 built-in recipes keep it float, as the other recipes keep the tied table float).
 
 Supported: eqjax's Llama-family ``Model`` (Llama, Mistral, Qwen2, Qwen3; biases, GQA, q/k norms).
-Refused with an :class:`~eqjax.errors.InputError` naming why: GPT-2 (LayerNorm subtracts the mean,
+Refused with an :class:`~eqjax.core.errors.InputError` naming why: GPT-2 (LayerNorm subtracts the mean,
 which does not commute with a rotation, and adds a bias), a user's model or function (eqjax's core
 finds the norm feeding each weight, :mod:`eqjax.core.folds`, but not yet which weights write into the
 residual stream), already-quantized weights, widths without a Hadamard order for the online
@@ -41,7 +41,7 @@ transform (``online_down=False`` then works).
 
 Not done: learned rotations (SpinQuant's Cayley-SGD on the Stiefel manifold); the post-RoPE online
 query/key Hadamard and rotated KV-cache quantization; GGUF export of a model holding a
-:class:`~eqjax.qarray.RotatedKernel` (refused, naming the weight). Orbax checkpoints keep the leaf;
+:class:`~eqjax.core.qarray.RotatedKernel` (refused, naming the weight). Orbax checkpoints keep the leaf;
 the HF writer folds the rotation into a float weight; the ONNX export lowers the online Hadamard
 (:func:`eqjax.export.qlower.emit_rotation`).
 
@@ -61,9 +61,12 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from eqjax.errors import InputError
-from eqjax.hadamard import HadamardError, hadamard_factors, random_signs, rotation_matrix
-from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, is_quantized
+from eqjax.core.errors import InputError
+from eqjax.core.hadamard import HadamardError, hadamard_factors, random_signs, rotation_matrix
+from eqjax.core.pytree import flatten_with_paths, unflatten_paths
+from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, is_quantized
+from eqjax.models import LlamaConfig
+from eqjax.recipes.types import Context, with_paths
 
 __all__ = ["Rotation", "rotate_params", "residual_rotation", "LAYERS"]
 
@@ -92,7 +95,6 @@ def residual_rotation(d: int, seed: int, kind: str = "hadamard") -> np.ndarray:
 
 
 def _check_model(model: Any) -> Any:
-    from eqjax.models import LlamaConfig  # noqa: PLC0415
 
     cfg = getattr(model, "config", None)
     if model is None:
@@ -233,25 +235,23 @@ class Rotation:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "Rotation":
-        """From a recipe file: ``{then = [{method = ...}, ...], seed?, residual?, rotate_values?,
-        online_down?, act_bits?}``."""
-        from eqjax.recipe import _step_from_dict  # noqa: PLC0415
+        """From a recipe file: ``{then = [steps], seed?, residual?, rotate_values?, online_down?, act_bits?}``
+        (``then``'s tables already built into steps by :func:`eqjax.recipes.registry.recipe_from_dict`)."""
 
         d = dict(d)
         then = d.pop("then", [])
         if not isinstance(then, list):
             raise ValueError("rotation: 'then' must be a list of step tables")
-        steps = tuple(_step_from_dict(s, f"then[{i}]") for i, s in enumerate(then))
-        known = {"seed", "residual", "rotate_values", "online_down", "act_bits"}
+        steps = tuple(then)  # step objects: the registry builds the tables of 'then' before calling this
+        known = {"name", "seed", "residual", "rotate_values", "online_down", "act_bits"}
         if set(d) - known:
             raise ValueError(f"unknown 'rotation' key(s): {sorted(set(d) - known)}; allowed: then, {sorted(known)}")
-        for k, typ in (("seed", int), ("rotate_values", bool), ("online_down", bool), ("residual", str)):
+        for k, typ in (("name", str), ("seed", int), ("rotate_values", bool), ("online_down", bool), ("residual", str)):
             if k in d and (not isinstance(d[k], typ) or (typ is int and isinstance(d[k], bool))):
                 raise ValueError(f"rotation: {k} must be a {typ.__name__}, got {d[k]!r}")
         return cls(then=steps, **d)
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        from eqjax.recipe import Context, with_paths  # noqa: PLC0415
 
         model = getattr(ctx, "model", None)
         cfg = _check_model(model)
@@ -261,7 +261,6 @@ class Rotation:
         template = with_paths(ctx.template, rot)
 
         def fn(tree: Any, *args: Any) -> Any:
-            from eqjax.pytree import flatten_with_paths, unflatten_paths  # noqa: PLC0415
 
             paths, leaves, _ = flatten_with_paths(tree)
             return model.apply(unflatten_paths(_wrap(dict(zip(paths, leaves)), online), tree), *args)[0]

@@ -1,7 +1,7 @@
 """Round-to-nearest weight quantization driven by rules, and the seed's methods built on it.
 
 * :class:`RTN`: the step most recipes end with: quantize each param its rule picks (QArray),
-  wrapping it in an :class:`~eqjax.qarray.ActQuantKernel` when the rule quantizes activations.
+  wrapping it in an :class:`~eqjax.core.qarray.ActQuantKernel` when the rule quantizes activations.
   Role-relative granularities are resolved against how the model uses each weight
   (:mod:`eqjax.core.roles`); a rule matching a param that is not a matmul weight or an embedding
   table, or one already quantized by an earlier step, is an error naming it.
@@ -19,11 +19,11 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from eqjax.core.errors import InputError
+from eqjax.core.numerics import QuantSpec, quantize
+from eqjax.core.qarray import ActQuantKernel, is_quantized, per_input_group, per_output_channel, per_tensor
 from eqjax.core.roles import check_quantizable, resolve_granularity, weight_layout
-from eqjax.errors import InputError
-from eqjax.numerics import QuantSpec, quantize
-from eqjax.qarray import ActQuantKernel, is_quantized, per_input_group, per_output_channel, per_tensor
-from eqjax.rules import Rule, assign, rule_from_dict
+from eqjax.recipes.rules import Rule, assign, rule_from_dict
 
 __all__ = [
     "RTN", "UnusedRuleWarning", "quantize_by_rules", "concrete_spec", "absmax_rule", "zero_point_rule",
@@ -94,7 +94,7 @@ def quantize_by_rules(params: Mapping[str, Any], rules: tuple[Rule, ...], ctx: A
                       strict: bool = False) -> dict[str, Any]:
     """Quantize every param (by path) whose first matching rule has a weight spec.
 
-    ``ctx`` (a :class:`~eqjax.recipe.Context`) gives the model's analysis (roles, layouts); with
+    ``ctx`` (a :class:`~eqjax.recipes.types.Context`) gives the model's analysis (roles, layouts); with
     ``report`` what was done is appended to ``ctx.report``. ``strict``: a rule whose pattern matches no
     param path, or whose matches all went to earlier rules, is an :class:`InputError` naming the step and
     the pattern (:func:`unused_rule_error`); other rules that matched nothing (another role) are an

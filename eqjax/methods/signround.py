@@ -10,7 +10,7 @@ grid ``(s, z)`` comes from the initial grid's ends multiplied by learned factors
 lower end, ``beta`` for the upper end, per group, in ``[scale_min, scale_max]``; the zero point is
 rounded with a straight-through gradient). The initial grid is min/max (``init="minmax"``) or the
 searched grid of :mod:`eqjax.methods.grid` (``init="search"``, one extra statistics pass per block).
-Per step, one calibration batch runs through the block (:meth:`eqjax.calibrate.BlockCalibration.function`
+Per step, one calibration batch runs through the block (:meth:`eqjax.calibration.calibrate.BlockCalibration.function`
 with the fake-quantized weights as params); the loss is the mean squared error against the float
 block's outputs. ``V``, ``alpha`` and ``beta`` take signed-gradient steps (``optimizer="sign"``:
 ``p -= lr * sign(grad)``, ``lr`` decaying linearly to 0 over the block's iterations, AutoRound's
@@ -43,12 +43,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqjax.blockfit import StepBudget, share_budget, shared_jit
-from eqjax.numerics import (QuantSpec, _blocked, _to_view, _unblock, compute_range, fake_quantize_grid, quantize_with,
-                            range_to_qparams, round_ste)
-from eqjax.qarray import is_quantized
-from eqjax.rules import Rule
-from eqjax.statistics import xtx
+from eqjax.calibration.blockfit import StepBudget, share_budget, shared_jit
+from eqjax.calibration.statistics import xtx
+from eqjax.core.numerics import (
+    QuantSpec,
+    _blocked,
+    _to_view,
+    _unblock,
+    compute_range,
+    fake_quantize_grid,
+    quantize_with,
+    range_to_qparams,
+    round_ste,
+)
+from eqjax.core.qarray import is_quantized
+from eqjax.methods.grid import grid_of_use, grids_to_param, place_grid
+from eqjax.methods.rtn import concrete_spec, step_targets, weight_step_spec
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["SignRound"]
 
@@ -135,21 +147,17 @@ class SignRound:
 
     def spec(self) -> QuantSpec:
         """The stored format (:func:`eqjax.methods.rtn.weight_step_spec`)."""
-        from eqjax.methods.rtn import weight_step_spec  # noqa: PLC0415
 
         return weight_step_spec(self.bits, self.symmetric, self.group_size, self.scale_dtype, self.full_range)
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "SignRound":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
         return cls(**step_kwargs(cls, d, "signround", exclude=()))
 
     # ---- the step --------------------------------------------------------------------------------
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
-        from eqjax.methods.rtn import concrete_spec  # noqa: PLC0415
 
-        from eqjax.methods.rtn import step_targets  # noqa: PLC0415
 
         cal, targets = step_targets(self, params, ctx)
         an = cal.analysis
@@ -189,7 +197,6 @@ class SignRound:
         """Per weight ``(scale float32, zero point float32)`` in the param's scale layout."""
         out = {}
         if self.init == "search":
-            from eqjax.methods.grid import grid_of_use, grids_to_param, place_grid  # noqa: PLC0415
 
             uses = [u for u in bc.uses if u.path in weights]
             stats = bc.statistics({"xtx": xtx()}, uses, p)

@@ -32,15 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.calibrate import block_mse
+from eqjax.calibration.calibrate import block_mse
+from eqjax.calibration.statistics import absmax, nonfinite
 from eqjax.core.analysis import from_weight_matrix, weight_matrix
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError, RecipeError
+from eqjax.core.numerics import QuantSpec
+from eqjax.core.qarray import is_quantized, per_output_channel
 from eqjax.methods.awq import apply_fold
-from eqjax.numerics import QuantSpec
-from eqjax.qarray import is_quantized, per_output_channel
-from eqjax.recipe import RecipeError
-from eqjax.rules import Rule
-from eqjax.statistics import absmax, nonfinite
+from eqjax.methods.rtn import quantize_by_rules
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["SmoothQuant", "smooth_scales", "W8A8_RULE"]
 
@@ -89,9 +90,8 @@ class SmoothQuant:
 
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> "SmoothQuant":
-        from eqjax.recipe import step_kwargs  # noqa: PLC0415
 
-        return cls(**step_kwargs(cls, d, "smoothquant", tuples=("alphas",)))
+        return cls(**step_kwargs(cls, d, "smoothquant", exclude=(), tuples=("alphas",)))
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
         cal = ctx.calibrator(self.name)
@@ -141,7 +141,6 @@ class SmoothQuant:
                 if len(alphas) == 1:
                     n_groups[0] += len(plan)
                     return new
-                from eqjax.methods.rtn import quantize_by_rules  # noqa: PLC0415
 
                 if ref is None:
                     ref = bc.outputs(p)

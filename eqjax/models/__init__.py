@@ -17,13 +17,13 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from eqjax.core.numerics import widen_halves
 from eqjax.models import generate as _decoding
 from eqjax.models import gpt2, llama
 from eqjax.models.cache import KVCache, LayerCache, init_cache
 from eqjax.models.config import ConfigError, GPT2Config, LlamaConfig, ModelConfig, RopeScaling
 from eqjax.models.hf_config import from_hf_config, to_hf_config
 from eqjax.models.llama import KVQuantizer
-from eqjax.numerics import widen_halves
 
 __all__ = [
     "Model",

@@ -11,7 +11,8 @@ import dataclasses
 import math
 import numbers
 from typing import Any, Literal, Mapping
-from eqjax.errors import InputError
+
+from eqjax.core.errors import InputError
 from eqjax.models.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 __all__ = [

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from eqjax.linear import current_backend, use_backend
+from eqjax.core.linear import current_backend, use_backend
 from eqjax.models.cache import KVCache
 
 __all__ = ["generate", "greedy_step"]
@@ -19,7 +19,7 @@ def greedy_step(
 ) -> tuple[jax.Array, KVCache]:
     """Run ``tokens [B, T]`` through ``model`` with ``cache``; return (argmax of the last logits ``[B]``, cache).
 
-    Jitted per model, KV quantizer and :func:`eqjax.linear.use_backend` backend: the backend is part of
+    Jitted per model, KV quantizer and :func:`eqjax.core.linear.use_backend` backend: the backend is part of
     the compiled step's key, so switching backends recompiles instead of reusing the other's program.
     """
     return _greedy_step(model, params, tokens, cache, kv_quant, current_backend())

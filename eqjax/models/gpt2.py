@@ -18,12 +18,12 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from eqjax.linear import linear
+from eqjax.core.linear import linear
+from eqjax.core.qarray import ActQuantKernel, QArray
 from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import GPT2Config
 from eqjax.models.llama import KVQuantizer, as_float, attend, float16_round, quantize_kv, tied_head
-from eqjax.qarray import ActQuantKernel, QArray
 
 __all__ = ["param_shapes", "layer_norm", "embed", "block", "head"]
 

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3) as pure functions over a param pytree.
 
-Param tree (Flax naming; every ``{"kernel", "bias"?}`` goes through :func:`eqjax.linear.linear`, so a
+Param tree (Flax naming; every ``{"kernel", "bias"?}`` goes through :func:`eqjax.core.linear.linear`, so a
 kernel may be a float array, a QArray or an ActQuantKernel)::
 
     {"embed": {"embedding": [V, D]},
@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.linear import act_quant_matmul, linear
+from eqjax.core.linear import act_quant_matmul, linear
+from eqjax.core.numerics import dequantize
+from eqjax.core.qarray import ActQuantKernel, QArray
 from eqjax.models.activations import activation
 from eqjax.models.cache import LayerCache, update_layer
 from eqjax.models.config import LlamaConfig
-from eqjax.numerics import dequantize
-from eqjax.qarray import ActQuantKernel, QArray
 
 __all__ = [
     "KVQuantizer",
@@ -322,7 +322,7 @@ def head(config: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
 
 def tied_head(x: jax.Array, table: Any) -> jax.Array:
     """``x [B, T, D]`` times the embedding table ``[V, D]``: float32 logits ``[B, T, V]``. A table that is an
-    :class:`~eqjax.qarray.ActQuantKernel` (``+emb-w7a8``) quantizes ``x`` per token and multiplies in integers."""
+    :class:`~eqjax.core.qarray.ActQuantKernel` (``+emb-w7a8``) quantizes ``x`` per token and multiplies in integers."""
     if isinstance(table, ActQuantKernel):
         y = act_quant_matmul(x.reshape(-1, x.shape[-1]), table, (1,), (0,))
         return y.reshape(x.shape[:-1] + (y.shape[-1],))

@@ -5,13 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.core.analysis import (activation_matrix, analyze, from_weight_matrix, matrix_to_slice, slice_to_matrix,
-                                 weight_matrix)
+from eqjax.core.analysis import activation_matrix, analyze, from_weight_matrix, matrix_to_slice, slice_to_matrix, weight_matrix
 from eqjax.core.interpret import run
 from eqjax.core.program import trace
+from eqjax.core.pytree import flatten_with_paths
 from eqjax.core.qdot import assemble_output
-from eqjax.pytree import flatten_with_paths
-
 from tests import zoo
 
 

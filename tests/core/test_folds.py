@@ -8,9 +8,8 @@ import pytest
 from eqjax.core.analysis import analyze, from_weight_matrix, group_uses_by_input, weight_matrix
 from eqjax.core.folds import find_fold
 from eqjax.core.program import trace
+from eqjax.core.pytree import flatten_with_paths, unflatten_paths
 from eqjax.methods.awq import apply_fold
-from eqjax.pytree import flatten_with_paths, unflatten_paths
-
 from tests import zoo
 
 

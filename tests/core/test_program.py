@@ -9,8 +9,7 @@ import pytest
 from eqjax.core.analysis import analyze
 from eqjax.core.interpret import evaluate
 from eqjax.core.program import ProgramError, trace
-from eqjax.pytree import flatten_with_paths
-
+from eqjax.core.pytree import flatten_with_paths
 from tests import zoo
 
 

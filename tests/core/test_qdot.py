@@ -11,14 +11,13 @@ import pytest
 
 from eqjax.core.analysis import activation_matrix, analyze, weight_matrix
 from eqjax.core.interpret import evaluate
+from eqjax.core.linear import use_backend
+from eqjax.core.numerics import QuantSpec, dequantize, quantize
 from eqjax.core.program import trace
+from eqjax.core.pytree import flatten_with_paths, unflatten_paths
+from eqjax.core.qarray import ActQuantKernel, per_channel, per_group, per_input_group, per_output_channel
 from eqjax.core.qdot import assemble_output
 from eqjax.core.roles import resolve_granularity, weight_layout
-from eqjax.linear import use_backend
-from eqjax.numerics import QuantSpec, dequantize, quantize
-from eqjax.pytree import flatten_with_paths, unflatten_paths
-from eqjax.qarray import ActQuantKernel, per_channel, per_group, per_input_group, per_output_channel
-
 from tests import zoo
 
 MODES = {

@@ -26,14 +26,14 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from eqjax.api import quantize  # noqa: E402
-from eqjax.calibrate import Calibrator  # noqa: E402
+from eqjax.calibration.calibrate import Calibrator  # noqa: E402
+from eqjax.calibration.statistics import xtx  # noqa: E402
 from eqjax.core.analysis import activation_matrix  # noqa: E402
+from eqjax.core.pytree import flatten_with_paths  # noqa: E402
 from eqjax.distributed import device_bytes, make_mesh, use_mesh  # noqa: E402
 from eqjax.evaluate import perplexity  # noqa: E402
 from eqjax.models import LlamaConfig, Model  # noqa: E402
-from eqjax.pytree import flatten_with_paths  # noqa: E402
-from eqjax.recipes import get_recipe  # noqa: E402
-from eqjax.statistics import xtx  # noqa: E402
+from eqjax.recipes.registry import get_recipe  # noqa: E402
 
 
 def leaves(tree) -> dict[str, np.ndarray]:

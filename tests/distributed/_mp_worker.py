@@ -53,18 +53,19 @@ def main() -> int:
         import jax.numpy as jnp
         import numpy as np
         from jax.experimental import multihost_utils
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-        from eqjax.ema import EmaState, ema_absmax
-        from eqjax.numerics import QuantSpec, quantize
-        from eqjax.qarray import per_channel, per_group, per_tensor
+        from eqjax.calibration.ema import EmaState, ema_absmax
+        from eqjax.core.numerics import QuantSpec, quantize
+        from eqjax.core.qarray import per_channel, per_group, per_tensor
 
         assert info.device_count == 2 * args.num_processes, info
         rng = np.random.default_rng(0)
         x = rng.standard_normal((16, 8, 32)).astype(np.float32)  # every host can make it; uses only its rows
         w = rng.standard_normal((64, 32)).astype(np.float32)
         mesh = jax.make_mesh((info.device_count,), ("data",))
-        from eqjax import statistics as S
+        from eqjax.calibration import statistics as S
 
         stats = {"amax": S.absmax(), "h": S.xtx(), "n": S.count(), "s": S.abs_sum()}
 
@@ -105,7 +106,7 @@ def main() -> int:
                           and len(g.addressable_shards) == jax.local_device_count())
 
         # a wall-time budget: every process runs process 0's step count (1e-9 s there: 3 steps)
-        from eqjax.blockfit import StepBudget, share_budget
+        from eqjax.calibration.blockfit import StepBudget, share_budget
 
         budget = StepBudget(1000, 1e-9 if pid == 0 else 1e6)
         for i in (1, 2, 3):

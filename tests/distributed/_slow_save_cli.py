@@ -9,7 +9,7 @@ import sys
 import time
 
 import eqjax.io.orbax as orbax_io
-from eqjax.cli import main
+from eqjax.cli.main import main
 
 _real = orbax_io._file_table
 

@@ -24,10 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eqjax import distributed as D  # noqa: E402
-from eqjax import statistics as S  # noqa: E402
-from eqjax.ema import ema_absmax  # noqa: E402
-from eqjax.numerics import QuantSpec, quantize  # noqa: E402
-from eqjax.qarray import per_channel, per_group, per_tensor, validate  # noqa: E402
+from eqjax.calibration import statistics as S  # noqa: E402
+from eqjax.calibration.ema import ema_absmax  # noqa: E402
+from eqjax.core.numerics import QuantSpec, quantize  # noqa: E402
+from eqjax.core.qarray import per_channel, per_group, per_tensor, validate  # noqa: E402
 
 MESHES = ((1, 8), (2, 4), (8, 1))
 

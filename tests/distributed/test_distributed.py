@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from eqjax import distributed as D
-from eqjax import statistics as S
+from eqjax.calibration import statistics as S
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -109,8 +109,8 @@ def test_sharded_statistics_one_device_mesh():
 
 
 def test_quantize_sharded_rejects_bad_layouts():
-    from eqjax.numerics import QuantSpec
-    from eqjax.qarray import QArrayError, per_channel
+    from eqjax.core.numerics import QuantSpec
+    from eqjax.core.qarray import QArrayError, per_channel
 
     mesh = jax.make_mesh((1,), ("model",))
     with pytest.raises(TypeError):

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 KILL_AFTER_S = 90

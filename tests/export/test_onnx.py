@@ -12,12 +12,12 @@ import numpy as np
 import onnx
 import pytest
 
+from eqjax.core.linear import ActQuantKernel, linear
+from eqjax.core.numerics import QuantSpec, quantize
+from eqjax.core.qarray import per_channel, per_group, per_tensor
 from eqjax.export.onnx import ExportError, build_model, linear_graph, make_session, onnx_logits, onnx_perplexity
-from eqjax.linear import ActQuantKernel, linear
 from eqjax.models import GPT2Config, LlamaConfig, Model
-from eqjax.numerics import QuantSpec, quantize
-from eqjax.qarray import per_channel, per_group, per_tensor
-from eqjax.recipes import weight_rule
+from eqjax.recipes.registry import weight_rule
 
 RNG = np.random.default_rng(0)
 K, N, M = 256, 96, 7
@@ -70,7 +70,7 @@ def test_rotated_layer_matches_eqjax_linear(k, inner):
     the inner kernel's own lowering; onnxruntime's output against eqjax's ``linear``. W8A8 rounds the
     rotated activation to int8 codes, where float32 summation-order differences can flip a code at a
     tie: within one code per element there, float rounding elsewhere."""
-    from eqjax.qarray import RotatedKernel
+    from eqjax.core.qarray import RotatedKernel
 
     w = W[:k]
     inner_k = {"fp": lambda: w, "w4-g32-asym": lambda: quantize(w, QuantSpec(4, False, per_group(0, 32), scale_dtype="float16")),
@@ -133,8 +133,8 @@ TOKENS = np.random.default_rng(1).integers(0, 128, (2, 12)).astype(np.int32)
 
 def _rtn(model, params, rules):
     from eqjax.methods.rtn import RTN
-    from eqjax.recipe import Recipe
-    from eqjax.recipe import quantize as run_recipe
+    from eqjax.recipes.apply import quantize as run_recipe
+    from eqjax.recipes.types import Recipe
 
     return run_recipe(params, Recipe("t", (RTN(tuple(rules)),)), model=model)
 
@@ -261,8 +261,8 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
     from eqjax.evaluate import perplexity, rounding_band
     from eqjax.export.package import export_package
     from eqjax.io.gguf import load_gguf
-    from eqjax.recipe import quantize
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import get_recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)
@@ -288,9 +288,9 @@ def test_smollm2_w4_and_w8a8_onnx_perplexity_matches_eqjax(tmp_path):
 def test_half_float_params_are_float16_initializers(tiny):
     """``+f16``: every param a float16 initializer (2 bytes per value, as eqjax counts them), widened by
     a Cast; the logits are eqjax's."""
-    from eqjax.pytree import flatten
-    from eqjax.recipe import quantize as run_recipe
-    from eqjax.recipes import get_recipe
+    from eqjax.core.pytree import flatten
+    from eqjax.recipes.apply import quantize as run_recipe
+    from eqjax.recipes.registry import get_recipe
 
     model, params = tiny["llama-gqa"]
     q = run_recipe(params, get_recipe("fp+f16"), model=model)

@@ -7,8 +7,8 @@ import pytest
 
 from eqjax.export.onnx import ExportError, build_model, make_session, onnx_logits
 from eqjax.models import LlamaConfig, Model
-from eqjax.recipe import quantize
-from eqjax.recipes import get_recipe
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import get_recipe
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from eqjax.errors import OutputError
+from eqjax.cli.export import recipe_for_export
+from eqjax.core.errors import OutputError
 from eqjax.export.graph import ExportError
-from eqjax.export.onnx import recipe_for_export
 from eqjax.export.package import export_package
+from eqjax.io.tokenizer import Tokenizer, bytes_to_unicode
 from eqjax.models import LlamaConfig, Model
-from eqjax.recipes import weight_rule
-from eqjax.tokenizer import Tokenizer, bytes_to_unicode
+from eqjax.recipes.registry import weight_rule
 
 EOS = 255
 
@@ -31,17 +31,17 @@ def tiny():
 
 def _w4(model, params):
     from eqjax.methods.rtn import RTN
-    from eqjax.recipe import Recipe
-    from eqjax.recipe import quantize
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.types import Recipe
 
     return quantize(params, Recipe("w4g32", (RTN((weight_rule(4, symmetric=False, group=32),)),)), model=model)
 
 
 def _w7a8(model, params):
     from eqjax.methods.rtn import RTN
-    from eqjax.recipe import Recipe
-    from eqjax.recipe import quantize
-    from eqjax.recipes import embedding_step
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import embedding_step
+    from eqjax.recipes.types import Recipe
 
     steps = (RTN((weight_rule(7, act_bits=8),)), embedding_step("w7a8"))
     return quantize(params, Recipe("w7a8+emb-w7a8", steps), model=model)
@@ -61,8 +61,8 @@ def _genai_greedy(d, prompt, new):
 
 
 def _w4_rot(model, params):
-    from eqjax.recipe import quantize
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import get_recipe
 
     cal = jax.random.randint(jax.random.key(0), (2, 16), 0, model.config.vocab)
     return quantize(params, get_recipe("w4g128-rot-rtn"), model=model, calibration=cal)
@@ -91,7 +91,7 @@ def test_genai_generator_greedy_tokens_equal_eqjax(tiny, tmp_path, quant):
     assert man["packed_attention"] == (0 if quant == "fp32" else 2)
     assert ops.count("RotaryEmbedding") == (4 if quant == "fp32" else 0)
     if quant == "w4-rot":  # per layer: down_proj's input times the 8 x 8 Sylvester and the 12 x 12 Paley factor
-        from eqjax.qarray import RotatedKernel
+        from eqjax.core.qarray import RotatedKernel
 
         assert all(isinstance(qp[f"layers_{i}"]["mlp"]["down_proj"]["kernel"], RotatedKernel) for i in range(2))
         rot = [n for n in proto.graph.node if n.op_type == "MatMul" and any(i.startswith("rotation.") for i in n.input)]
@@ -143,8 +143,8 @@ def test_unrepresentable_recipes_are_refused_before_work(name, match):
 def test_context_length_above_the_models_is_refused_before_work(tiny, tmp_path):
     """``context_length`` beyond ``max_position_embeddings`` would be written into genai_config: refused
     (API: before tracing; CLI: from the GGUF header, before loading the weights), nothing written."""
-    from eqjax.errors import CompatibilityError
-    from eqjax.export.onnx import check_context_length
+    from eqjax.cli.export import check_context_length
+    from eqjax.core.errors import CompatibilityError
 
     model, params, tok = tiny
     mx = model.config.max_position_embeddings
@@ -170,13 +170,13 @@ def test_a_rotated_recipe_is_checked_inside_its_rotation():
     a rotation the lowering does not cover is refused naming the weight."""
     import jax.numpy as jnp
 
+    from eqjax.core.qarray import RotatedKernel
     from eqjax.export.package import check_recipe
     from eqjax.export.qlower import check_exportable
     from eqjax.methods.rotation import Rotation
     from eqjax.methods.rtn import RTN
-    from eqjax.qarray import RotatedKernel
-    from eqjax.recipe import Recipe
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe
+    from eqjax.recipes.types import Recipe
 
     with pytest.raises(ExportError, match="3-bit"):
         check_recipe(Recipe("rot-w3", (Rotation(then=(RTN((weight_rule(3, symmetric=False, group=128),)),)),)))
@@ -193,8 +193,8 @@ def test_self_check_with_int8_activations_catches_a_wrong_graph(tiny, tmp_path):
 
     from eqjax.export.onnx import build_model
     from eqjax.export.runtime import check_against_eqjax
-    from eqjax.recipe import quantize
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import get_recipe
 
     model, params, _ = tiny
     toks = np.asarray(jax.random.randint(jax.random.key(3), (4, 16), 0, model.config.vocab), np.int32)

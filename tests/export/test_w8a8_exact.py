@@ -28,13 +28,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from eqjax.core.linear import ActQuantKernel, int_matmul, linear
+from eqjax.core.numerics import QuantSpec, integer_values, quantize
+from eqjax.core.qarray import per_channel, per_group
 from eqjax.export.onnx import W8A8_ZERO_POINT, build_model, linear_graph, make_session, w8a8_weight_codes
 from eqjax.export.qlower import S8_WEIGHT_LIMIT
-from eqjax.linear import ActQuantKernel, int_matmul, linear
 from eqjax.models import LlamaConfig, Model
-from eqjax.numerics import QuantSpec, integer_values, quantize
-from eqjax.qarray import per_channel, per_group
-from eqjax.recipes import weight_rule
+from eqjax.recipes.registry import weight_rule
 
 K, N, GROUP = 256, 24, 64
 INT16_MAX = 2**15 - 1
@@ -207,8 +207,8 @@ def test_exported_graphs_use_no_saturating_operands(bits, kind):
     import jax
 
     from eqjax.methods.rtn import RTN
-    from eqjax.recipe import Recipe
-    from eqjax.recipe import quantize as run_recipe
+    from eqjax.recipes.apply import quantize as run_recipe
+    from eqjax.recipes.types import Recipe
 
     params = run_recipe(model.init_params(jax.random.key(0), std=0.1),
                         Recipe("wXa8", (RTN((weight_rule(bits, act_bits=8),)),)), model=model)

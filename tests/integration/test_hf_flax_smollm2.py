@@ -42,9 +42,8 @@ def test_hf_flax_model_matches_eqjax_model(setup, recipe):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from flax_models import run_pair
 
-    from eqjax.recipes import get_recipe
-
     from eqjax.evaluate import rounding_band, within_band
+    from eqjax.recipes.registry import get_recipe
 
     model, params, hf_model, hf_params, windows, calib = setup
     q = []

@@ -34,7 +34,7 @@ def test_smollm2_two_process_quantize_and_eval(tmp_path):
     # against the float model on the same 2 x 512 windows: W4_GPTQ_BAND (10..45 %), derived in
     # tests/realmodel_bounds.py from the committed GPTQ (+13.8..+23.9 %) and RTN (<= +32.6 %) references
     from eqjax.evaluate import perplexity
-    from eqjax.experiment import prepare
+    from eqjax.protocol import prepare
     from tests.realmodel_bounds import W4_GPTQ_BAND, delta_pct
 
     setup = prepare(None, None, ctx=512, eval_tokens=1024, calib_windows=0)

@@ -11,7 +11,7 @@ import pytest
 
 from eqjax.io import gguf as eg
 from eqjax.io.gguf import GGUFError, load_gguf, unpermute_qk
-from eqjax.tokenizer import bytes_to_unicode
+from eqjax.io.tokenizer import bytes_to_unicode
 
 D, F, HQ, HKV, HD, L = DIMS = (8, 32, 2, 1, 4, 2)
 

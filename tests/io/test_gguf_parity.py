@@ -65,7 +65,7 @@ def test_weights_match_transformers(loaded: tuple) -> None:
 
 
 def test_logits_match_transformers(loaded: tuple) -> None:
-    from eqjax.data import split_wikipedia, join_documents
+    from eqjax.data import join_documents, split_wikipedia
     from eqjax.models import Model
 
     cfg, params, tok, ref = loaded

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from test_gguf import hf_weights, llamacpp_permute, write_tiny
 
+from eqjax.core.numerics import dequantize_leaf
 from eqjax.io.gguf import GGUFError, load_gguf
 from eqjax.io.gguf_write import export_gguf, gguf_blocks, permute_qk
 from eqjax.methods.rtn import RTN
 from eqjax.models import Model
-from eqjax.numerics import dequantize_leaf
-from eqjax.recipe import Recipe, quantize
-from eqjax.recipes import get_recipe, weight_rule
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import get_recipe, weight_rule
+from eqjax.recipes.types import Recipe
 
 DIMS = (64, 96, 4, 2, 16, 1)  # D, F, HQ, HKV, HD, L: every width a multiple of 32
 
@@ -127,7 +128,7 @@ def test_unrepresentable_params_are_refused_before_writing(source, tmp_path, rec
 def test_smollm2_gptq_gguf_has_eqjaxs_perplexity(tmp_path):
     """SmolLM2 through the CLI: GPTQ W4 g128 (Q4_1 blocks) + the table int8 (Q8_0); the file read back by
     eqjax's GGUF loader has eqjax's own perplexity (m and the table's row scales rounded to float16)."""
-    from eqjax.cli import main
+    from eqjax.cli.main import main
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import default_model_path
@@ -156,7 +157,7 @@ def test_smollm2_gptq_gguf_has_eqjaxs_perplexity(tmp_path):
     (["--recipe", "nope"], "unknown recipe"),
 ])
 def test_cli_refuses_before_work(tmp_path, capsys, argv, match):
-    from eqjax.cli import main
+    from eqjax.cli.main import main
 
     out = tmp_path / "x.gguf"
     assert main(["export-gguf", *argv, "--out", str(out)]) == 2
@@ -168,7 +169,7 @@ def test_cli_refuses_before_work(tmp_path, capsys, argv, match):
 def test_cli_keeps_an_existing_file_unless_overwrite(source, tmp_path, capsys):
     """An existing --out is refused before any work (one line, exit 2, the file untouched); with
     --overwrite it is replaced by a complete GGUF file (written beside it, then renamed)."""
-    from eqjax.cli import main
+    from eqjax.cli.main import main
 
     out = tmp_path / "m.gguf"
     out.write_bytes(b"previous")
@@ -185,7 +186,7 @@ def test_cli_keeps_an_existing_file_unless_overwrite(source, tmp_path, capsys):
 
 def test_half_floats_are_written_as_f16(source, tmp_path):
     """``+f16``: the table and norms as GGUF ``F16`` tensors, read back bit-exact."""
-    from eqjax.pytree import flatten
+    from eqjax.core.pytree import flatten
 
     cfg, params, _ = load_gguf(source)
     q = quantize(params, get_recipe("w4g128-rtn-sym+f16"), model=Model(cfg))

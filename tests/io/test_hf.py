@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from eqjax.core.numerics import QuantSpec, dequantize, quantize
+from eqjax.core.qarray import per_channel
 from eqjax.io.hf import CheckpointError, hf_name, load_hf_checkpoint, save_hf_checkpoint
 from eqjax.models import GPT2Config, LlamaConfig, Model
-from eqjax.numerics import QuantSpec, dequantize, quantize
-from eqjax.qarray import per_channel
 
 LLAMA = LlamaConfig(vocab=32, hidden=16, intermediate=24, n_layers=2, n_heads=2, n_kv_heads=1, model_type="llama")
 GPT2 = GPT2Config(vocab=32, hidden=16, n_layers=1, n_heads=2, n_positions=8)
@@ -202,8 +202,8 @@ def test_tied_checkpoint_ignores_stray_lm_head(tmp_path):
 def test_rotated_model_saved_float_and_untied(tmp_path):
     """A QuaRot model (tied embedding untied by the rotation, down_proj rotated online) is written as
     the float model it stands for: untied, rotations folded in; reloaded, same logits."""
-    from eqjax.recipe import quantize as run_recipe
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.apply import quantize as run_recipe
+    from eqjax.recipes.registry import get_recipe
 
     cfg = LlamaConfig(vocab=32, hidden=16, intermediate=24, n_layers=2, n_heads=2, n_kv_heads=1,
                       tie_word_embeddings=True)

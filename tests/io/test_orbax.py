@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.errors import CompatibilityError, InputError, NonFiniteError, OutputError
+from eqjax.core.errors import CompatibilityError, InputError, NonFiniteError, OutputError
 from eqjax.io.hf import CheckpointError
 from eqjax.io.orbax import is_partial_checkpoint, load_quantized, model_fingerprint, recipe_kv, save_quantized
 from eqjax.models import LlamaConfig, Model
-from eqjax.recipe import quantize
-from eqjax.recipes import get_recipe
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import get_recipe
 
 
 @pytest.mark.parametrize("name", ["w4g128-rtn", "w8a8-naive", "w3g128-rtn", "w8-absmax"])
@@ -34,7 +34,7 @@ def test_reload_gives_identical_logits(tmp_path, name):
 def test_rotated_model_round_trip(tmp_path, tied):
     """A QuaRot model: online-rotated down_proj (RotatedKernel: seed and axis in the manifest) and the
     untied LM head a tied model gains; reloaded into the same model, the logits are identical."""
-    from eqjax.qarray import RotatedKernel
+    from eqjax.core.qarray import RotatedKernel
 
     model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1,
                               tie_word_embeddings=tied))
@@ -142,7 +142,7 @@ def test_partial_checkpoint_is_refused(tmp_path):
 
 def test_half_floats_round_trip(tmp_path):
     """``+f16`` leaves stay 16-bit on disk (kind "half" in the manifest) and reload as HalfFloats."""
-    from eqjax.qarray import HalfFloat
+    from eqjax.core.qarray import HalfFloat
 
     model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
     params = model.init_params(jax.random.PRNGKey(1))
@@ -189,7 +189,7 @@ def test_save_refuses_what_is_not_params(tmp_path):
 
 
 def test_save_marks_the_checkpoint_and_never_replaces_a_user_directory(tmp_path):
-    from eqjax.atomic import artifact_kind
+    from eqjax.io.atomic import artifact_kind
 
     model, params = _tiny()
     save_quantized(tmp_path / "ck", params, recipe="fp", model=model)

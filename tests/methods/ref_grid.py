@@ -1,6 +1,6 @@
 """Float64 oracle of eqjax's min/max quantization grids, written from the definitions alone (no eqjax code).
 
-Definitions (the module docs of ``eqjax.numerics``):
+Definitions (the module docs of ``eqjax.core.numerics``):
 
 * symmetric: ``scale = absmax / D`` with ``D = 2**(b-1) - 1``, or ``2**(b-1) - 1/2`` for a full-range
   grid; integer values clipped to ``[-(2**(b-1) - 1), 2**(b-1) - 1]`` (5..8 bits) or

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 
 from eqjax.core.analysis import MatrixLayout
+from eqjax.core.errors import RecipeError
+from eqjax.core.numerics import QuantSpec, fake_quantize
+from eqjax.core.qarray import per_group, per_input_group
 from eqjax.methods.awq import AWQ, search_clip, search_scale
 from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
-from eqjax.numerics import QuantSpec, fake_quantize
-from eqjax.qarray import per_group, per_input_group
-from eqjax.recipe import Recipe, RecipeError, quantize
-from eqjax.rules import Rule
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.rules import Rule
+from eqjax.recipes.types import Recipe
 from tests.methods.ref_awq import awq_losses, awq_scale
 
 
@@ -101,8 +103,7 @@ def test_awq_needs_calibration(tiny):
 
 def test_recipes_and_config():
     from eqjax.methods.gptq import GPTQ
-    from eqjax.recipe import recipe_from_dict
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe, recipe_from_dict
 
     r = recipe_from_dict({"name": "x", "steps": [{"method": "awq", "bits": 3, "clip": False},
                                                  {"method": "gptq", "bits": 3, "act_order": True}]})

@@ -6,16 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqjax.core.numerics import QuantSpec, dequantize, integer_values, quantize
+from eqjax.core.qarray import per_channel, per_group, per_input_group, validate
 from eqjax.methods.gptq import GPTQ, GPTQWarning, gptq_quantize, group_size_for, hessian_cholesky
-from eqjax.numerics import QuantSpec, dequantize, integer_values, quantize
 from eqjax.methods.rtn import RTN
-from eqjax.qarray import per_channel, per_group, per_input_group, validate
-from eqjax.rules import Rule
+from eqjax.recipes.rules import Rule
 from tests.methods.ref_gptq import gptq_reference
 
 RTN_W3G8 = RTN((Rule(".*", QuantSpec(3, False, per_input_group(8), scale_dtype="float16"), role="matmul"),))
-from eqjax.recipe import Recipe, RecipeError
-from eqjax.recipe import quantize as run_recipe
+from eqjax.core.errors import RecipeError
+from eqjax.recipes.apply import quantize as run_recipe
+from eqjax.recipes.types import Recipe
 
 
 def _layer(n_in=64, n_out=24, n_tok=512, seed=0):
@@ -139,7 +140,7 @@ def _tiny_llama(n_layers=2):
 
 
 def _leaves(tree):
-    from eqjax.pytree import flatten
+    from eqjax.core.pytree import flatten
 
     return dict(flatten(tree))
 
@@ -164,7 +165,7 @@ def test_rules_give_each_layer_its_own_format():
     Block 0 sees the same inputs as in a uniform 8-bit run, so its layers equal that run's; block 1's
     layers are 3-bit and differ from a uniform 3-bit run's only through block 0's (better) outputs."""
     from eqjax.methods.rtn import weight_step_spec
-    from eqjax.recipe import recipe_from_dict
+    from eqjax.recipes.registry import recipe_from_dict
 
     model, params, toks = _tiny_llama()
     w8, w3 = weight_step_spec(8, True, None), weight_step_spec(3, False, 32)
@@ -195,14 +196,14 @@ def test_rules_give_each_layer_its_own_format():
 def test_rules_are_weight_only_and_must_match():
     with pytest.raises(ValueError, match="weight-only"):
         GPTQ(rules=(Rule(".*", QuantSpec(8, True, per_channel(1)), act_bits=8),))
-    from eqjax.qarray import per_tensor
+    from eqjax.core.qarray import per_tensor
 
     with pytest.raises(ValueError, match="per-tensor"):
         GPTQ(rules=(Rule(".*", QuantSpec(8, True, per_tensor())),))
     with pytest.raises(ValueError, match="'percentile' calibrator"):
         GPTQ(rules=(Rule(".*", QuantSpec(4, False, per_input_group(32), "percentile")),))
     model, params, toks = _tiny_llama(1)
-    from eqjax.errors import InputError
+    from eqjax.core.errors import InputError
 
     with pytest.raises(InputError, match="no rule with a weight format"):
         run_recipe(params, Recipe("n", (GPTQ(rules=(Rule(".*"),)),)), model=model, calibration=toks)
@@ -257,7 +258,7 @@ def test_smollm2_gptq_w4_beats_rtn():
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import load_gguf
     from eqjax.models import Model
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)

@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqjax.core.numerics import QuantSpec, dequantize, quantize, quantize_with
+from eqjax.core.qarray import QArray, per_group, validate
 from eqjax.methods.gptq import GPTQ, gptq_matrix
 from eqjax.methods.grid import SearchedRTN, group_ids, search_grid
 from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
-from eqjax.numerics import QuantSpec, dequantize, quantize, quantize_with
-from eqjax.qarray import QArray, per_group, validate
-from eqjax.recipe import Recipe, quantize as run_recipe, recipe_from_dict
-from eqjax.recipes import weight_rule
+from eqjax.recipes.apply import quantize as run_recipe
+from eqjax.recipes.registry import recipe_from_dict, weight_rule
+from eqjax.recipes.types import Recipe
 
 
 def _layer(k=32, n=6, t=256, seed=0):
@@ -164,7 +165,7 @@ def test_config_keys():
     r = recipe_from_dict({"name": "x", "steps": [{"method": "rtn_search", "bits": 3, "weighting": "diagonal"},
                                                  {"method": "gptq", "grid": "search", "grid_n": 16}]})
     assert r.steps[0] == SearchedRTN(bits=3, weighting="diagonal") and r.steps[1] == GPTQ(grid="search", grid_n=16)
-    from eqjax.recipe import RecipeError
+    from eqjax.core.errors import RecipeError
 
     with pytest.raises(RecipeError, match="weighting"):
         recipe_from_dict({"name": "x", "steps": [{"method": "rtn_search", "weighting": "full"}]})

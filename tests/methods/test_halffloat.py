@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 import eqjax
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError, RecipeError
+from eqjax.core.pytree import flatten, tree_nbytes
+from eqjax.core.qarray import HalfFloat, QArray, QArrayError, validate_half
 from eqjax.methods.halffloat import HalfFloats
 from eqjax.models import LlamaConfig, Model
-from eqjax.pytree import flatten, tree_nbytes
-from eqjax.qarray import HalfFloat, QArray, QArrayError, validate_half
-from eqjax.recipe import Recipe, RecipeError, quantize, recipe_from_dict
-from eqjax.recipes import get_recipe, with_embedding
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import get_recipe, recipe_from_dict, with_embedding
+from eqjax.recipes.types import Recipe
 from tests import zoo
 
 TOKENS = np.random.default_rng(3).integers(0, 64, (2, 10)).astype(np.int32)
@@ -72,7 +73,7 @@ def test_values_beyond_float16_stay_float32_and_are_reported(tiny):
     assert np.isfinite(np.asarray(model.apply(q, jnp.asarray(TOKENS))[0])).all()
     qb = quantize(params, Recipe("t", (HalfFloats("bfloat16"),)), model=model)  # bfloat16 has the range
     assert isinstance(qb["layers_0"]["attn_norm"]["scale"], HalfFloat)
-    from eqjax.recipe import Context
+    from eqjax.recipes.types import Context
 
     ctx = Context()
     HalfFloats()({"a": params["layers_0"]["attn_norm"]["scale"]}, ctx)

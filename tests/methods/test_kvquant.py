@@ -11,7 +11,7 @@ import pytest
 
 from eqjax.methods.kvquant import KVQuant, calibrate_kv, kv_apply, kv_bytes, kv_bytes_per_token
 from eqjax.models import LlamaConfig, Model
-from eqjax.recipe import recipe_from_dict
+from eqjax.recipes.registry import recipe_from_dict
 
 CFG = LlamaConfig(vocab=64, hidden=32, intermediate=48, n_layers=2, n_heads=4, n_kv_heads=2)
 B, T = 2, 12
@@ -302,7 +302,7 @@ def test_levels_validation_config_and_checkpoint_manifest():
     assert kvq == KVQuant(2, 2, key_levels=LEVELS, value_levels=LEVELS) and hash(kvq) == hash(KVQuant(2, 2, key_levels=LEVELS, value_levels=LEVELS))
     r = recipe_from_dict({"name": "x", "steps": [], "kv": {"bits": 2, "key_levels": list(LEVELS)}})
     assert r.kv.key_levels == LEVELS and r.kv.value_levels is None
-    from eqjax.schema import SchemaError
+    from eqjax.recipes.schema import SchemaError
 
     with pytest.raises(SchemaError, match=r"kv\.key_levels\[1\]"):
         recipe_from_dict({"name": "x", "steps": [], "kv": {"bits": 2, "key_levels": [0.1, 2.0, 0.6, 0.9]}})

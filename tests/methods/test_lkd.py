@@ -9,10 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqjax.qarray import ActQuantKernel
+from eqjax.core.errors import RecipeError
+from eqjax.core.qarray import ActQuantKernel
 from eqjax.methods.lkd import ZeroQuantLKD
 from eqjax.models import LlamaConfig, Model
-from eqjax.recipe import Recipe, RecipeError, quantize, recipe_from_dict
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import recipe_from_dict
+from eqjax.recipes.types import Recipe
 
 CFG = LlamaConfig(vocab=64, hidden=32, intermediate=64, n_layers=1, n_heads=4, n_kv_heads=2)
 
@@ -66,7 +69,7 @@ class FakeClock:
 
 
 def _injected_clock(monkeypatch, module):
-    from eqjax import blockfit
+    from eqjax.calibration import blockfit
 
     clock = FakeClock()
     monkeypatch.setattr(blockfit, "time", clock)

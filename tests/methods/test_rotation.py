@@ -11,21 +11,20 @@ import numpy as np
 import pytest
 
 from eqjax.core.analysis import analyze
+from eqjax.core.errors import InputError
+from eqjax.core.hadamard import HadamardError, hadamard_factors, hadamard_matrix, hadamard_transform, random_signs, rotation_matrix
 from eqjax.core.interpret import evaluate
+from eqjax.core.linear import linear
+from eqjax.core.numerics import QuantSpec, dequantize, dequantize_leaf, quantize
 from eqjax.core.program import trace
-from eqjax.errors import InputError
-from eqjax.hadamard import (HadamardError, hadamard_factors, hadamard_matrix, hadamard_transform, random_signs,
-                            rotation_matrix)
-from eqjax.linear import linear
+from eqjax.core.pytree import flatten_with_paths
+from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel
 from eqjax.methods.rotation import LAYERS, Rotation, rotate_params
 from eqjax.methods.rtn import RTN
 from eqjax.models import GPT2Config, LlamaConfig, Model
-from eqjax.numerics import QuantSpec, dequantize, dequantize_leaf, quantize
-from eqjax.pytree import flatten_with_paths
-from eqjax.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel
-from eqjax.recipe import Recipe, quantize as quantize_recipe, recipe_from_dict, with_paths
-from eqjax.recipes import weight_rule
-
+from eqjax.recipes.apply import quantize as quantize_recipe
+from eqjax.recipes.registry import recipe_from_dict, weight_rule
+from eqjax.recipes.types import Recipe, with_paths
 from tests import zoo
 
 ORDERS = [1, 2, 8, 12, 20, 24, 28, 36, 44, 64, 72, 576, 1536]
@@ -264,7 +263,7 @@ def test_inner_steps_see_the_rotated_activations():
 
 
 def _xtx():
-    from eqjax.statistics import xtx
+    from eqjax.calibration.statistics import xtx
 
     return xtx()
 
@@ -331,7 +330,7 @@ def test_named_rotation_recipes(name, bits, act):
     LM head float (int8 per channel in ``w4g128-rot-gptq-search``). Oracle: the float model whose weights are the dequantized kernels (down_proj's
     rotated back explicitly, ``Q_F @ dequant(inner)``) gives the same logits as the online path
     (weight-only; for A8 within the activation rounding), and differs from the float model."""
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe
 
     model, p, toks = _tiny("tied")
     r = get_recipe(name)

@@ -6,13 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqjax.core.errors import RecipeError
+from eqjax.core.numerics import QuantSpec, dequantize, fake_quantize_grid, quantize, quantize_with
+from eqjax.core.qarray import QArray, per_group, validate
 from eqjax.methods.rtn import RTN
 from eqjax.methods.signround import SignRound
 from eqjax.models import LlamaConfig, Model
-from eqjax.numerics import QuantSpec, dequantize, fake_quantize_grid, quantize, quantize_with
-from eqjax.qarray import QArray, per_group, validate
-from eqjax.recipe import Recipe, RecipeError, quantize as run_recipe, recipe_from_dict
-from eqjax.recipes import weight_rule
+from eqjax.recipes.apply import quantize as run_recipe
+from eqjax.recipes.registry import recipe_from_dict, weight_rule
+from eqjax.recipes.types import Recipe
 
 CFG = LlamaConfig(vocab=64, hidden=32, intermediate=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -68,7 +70,7 @@ def test_time_budget_caps_iterations(monkeypatch):
     a block always takes three), the second gets (3/4 - 3/8) / 2 and takes three too, the third gets
     nothing and keeps round to nearest (0 iterations)."""
     import eqjax.methods.signround as sr_module
-    from eqjax import blockfit
+    from eqjax.calibration import blockfit
 
     clock = type("Clock", (), {"now": 0.0, "perf_counter": lambda self: self.now})()
     monkeypatch.setattr(blockfit, "time", clock)

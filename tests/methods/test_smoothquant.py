@@ -7,10 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqjax.core.errors import RecipeError
 from eqjax.methods.rtn import RTN
 from eqjax.methods.smoothquant import W8A8_RULE, SmoothQuant
 from eqjax.models import GPT2Config, LlamaConfig, Model
-from eqjax.recipe import RecipeError, Recipe, quantize, recipe_from_dict
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import recipe_from_dict
+from eqjax.recipes.types import Recipe
 
 V = 64
 OUT = 200.0
@@ -117,7 +120,7 @@ def test_smollm2_smoothquant_beats_naive_w8a8():
 def test_user_model_without_norm_folds_is_a_clear_error():
     """An MLP with no norm before any weight: nothing to fold into, so SmoothQuant says why."""
     from eqjax.api import quantize_model
-    from eqjax.errors import InputError
+    from eqjax.core.errors import InputError
 
     rng = np.random.default_rng(0)
     p = {"w1": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32), "w2": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)}
@@ -137,7 +140,7 @@ def test_smoothing_factors_match_float64_reference(alpha):
     (a mean of K = 8 squares, rsqrt, two products: (K + 6) u); ``x**a`` is ``exp(a ln x)``
     (``(|a ln x| + 2) u``), likewise ``w**(1 - a)``; one quotient; the fold one more division or
     product: ``rel = (a (K + 6) + |a ln x| + |(1 - a) ln w| + 6) u``, doubled for second-order terms."""
-    from eqjax.recipe import model_context
+    from eqjax.recipes.apply import model_context
     from tests.methods.ref_awq import smooth_scales
 
     rng = np.random.default_rng(0)

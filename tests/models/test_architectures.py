@@ -21,12 +21,13 @@ import pytest
 from safetensors.numpy import load_file
 
 import eqjax
-from eqjax.errors import InputError
+from eqjax.core.errors import InputError
+from eqjax.core.linear import ActQuantKernel
 from eqjax.io.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
-from eqjax.linear import ActQuantKernel
 from eqjax.methods.smoothquant import SmoothQuant
 from eqjax.models import ConfigError, LlamaConfig, from_hf_config, to_hf_config
-from eqjax.recipe import Recipe, model_context
+from eqjax.recipes.apply import model_context
+from eqjax.recipes.types import Recipe
 
 _BASE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -126,7 +127,7 @@ def test_onnx_export_of_other_architectures_matches_eqjax(fields):
 
 def test_orbax_checkpoint_records_the_architecture(tmp_path):
     """A quantized Gemma saved with orbax reloads bit-identically and is refused by a Llama of equal shapes."""
-    from eqjax.errors import CompatibilityError
+    from eqjax.core.errors import CompatibilityError
     from eqjax.io.orbax import load_quantized, save_quantized
     from eqjax.models import Model
 
@@ -281,7 +282,7 @@ def test_cli_eval_on_an_hf_directory(tmp_path, case):
     """``eqjax eval --model <dir>``: perplexity equals transformers' on the same windows; W8A8 runs."""
     from tokenizers import Tokenizer
 
-    from eqjax.cli import main
+    from eqjax.cli.main import main
 
     cls_name, kw = __import__("tests.models.test_parity", fromlist=["CASES"]).CASES[case]
     torch.manual_seed(0)

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.linear import ActQuantKernel, use_backend
+from eqjax.core.linear import ActQuantKernel, use_backend
+from eqjax.core.numerics import QuantSpec, quantize
+from eqjax.core.qarray import per_channel
 from eqjax.models import LlamaConfig, Model
 from eqjax.models import generate as gen
-from eqjax.numerics import QuantSpec, quantize
-from eqjax.qarray import per_channel
 
 
 def test_switching_backend_retraces_the_step():

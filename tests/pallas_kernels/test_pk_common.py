@@ -7,16 +7,19 @@ arithmetic (fractions) choosing the nearest float32 by brute force over the neig
 
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jax
-
 from pallas_kernels._common import (
-    _repaired_reciprocal, correct_reciprocal, exact_reciprocal, export_for_cuda, small_int_diff,
+    _repaired_reciprocal,
+    correct_reciprocal,
+    exact_reciprocal,
+    export_for_cuda,
+    small_int_diff,
 )
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pk_oracle import np_quantize
 
 from pallas_kernels import (
     quantize_rows,
@@ -25,7 +26,6 @@ from pallas_kernels import (
     w8a8_matmul,
     w8a8_matmul_pallas,
 )
-from pk_oracle import np_quantize
 
 
 def _has_cuda() -> bool:
@@ -135,9 +135,9 @@ def _check_w4a16_on_gpu(m, g, sym, blocks, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("m", [1, 128])
 def test_eqjax_linear_pallas_on_gpu(m):
-    from eqjax.linear import ActQuantKernel, linear
-    from eqjax.numerics import QuantSpec, quantize
-    from eqjax.qarray import per_channel, per_group
+    from eqjax.core.linear import ActQuantKernel, linear
+    from eqjax.core.numerics import QuantSpec, quantize
+    from eqjax.core.qarray import per_channel, per_group
 
     rng = np.random.default_rng(m)
     k, n = 4096, 2048

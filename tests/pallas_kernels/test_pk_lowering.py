@@ -1,5 +1,5 @@
 """Every kernel entry lowers for CUDA through Triton on this CPU machine (jax.export, platforms=("cuda",)),
-on plain arrays (tests/test_linear.py exports eqjax's linear with backend="pallas" the same way).
+on plain arrays (tests/core/test_linear.py exports eqjax's linear with backend="pallas" the same way).
 
 A primitive the Pallas Triton lowering lacks (e.g. ``jnp.round``), a non-power-of-two tile or a
 dtype the Triton dot rejects fails here, in CI, instead of on a GPU. Shapes include the tuning

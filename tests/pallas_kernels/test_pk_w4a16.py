@@ -1,5 +1,5 @@
 """W4A16 on arrays: the Pallas kernel (interpret=True) against its XLA reference, and both against
-a float64 numpy oracle that unpacks the nibbles itself. No eqjax here (tests/test_linear.py checks
+a float64 numpy oracle that unpacks the nibbles itself. No eqjax here (tests/core/test_linear.py checks
 eqjax's adapter and its packing).
 
 Kernel and reference multiply the activations by the exact integers ``code - zp`` (exact products

@@ -1,6 +1,6 @@
 """W8A8 on arrays: the Pallas kernel (interpret=True) against its XLA reference, and the reference
-against an independent numpy oracle. No eqjax here (tests/test_linear.py checks eqjax's adapter and
-that the reference is bit-identical to ``eqjax.linear.act_quant_matmul``).
+against an independent numpy oracle. No eqjax here (tests/core/test_linear.py checks eqjax's adapter and
+that the reference is bit-identical to ``eqjax.core.linear.act_quant_matmul``).
 
 Tolerances: int32 accumulators and int8 codes / float32 scales are compared bit for bit; the float
 epilogue runs the reference's ops in its order, so without bias float32 outputs are bitwise equal;
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pk_oracle import np_quantize as _np_quantize
 
 from pallas_kernels import (
     quantize_rows,
@@ -25,7 +26,6 @@ from pallas_kernels import (
     w8a8_supports,
 )
 from pallas_kernels._common import round_half_even
-from pk_oracle import np_quantize as _np_quantize
 
 
 def _weights(rng, k, n, per_tensor=False):

@@ -15,8 +15,8 @@ def api_quantize_nan(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
     import numpy as np
 
     from eqjax.io import load_model
-    from eqjax.recipe import quantize
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.apply import quantize
+    from eqjax.recipes.registry import get_recipe
 
     model, params, _ = load_model(fx.root / "tiny")
     params["layers_1"]["mlp_norm"]["scale"] = np.asarray(params["layers_1"]["mlp_norm"]["scale"]).copy()
@@ -55,7 +55,7 @@ def api_load_other_model(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
 
 
 def api_write_json_nan(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.atomic import write_json
+    from eqjax.io.atomic import write_json
 
     return write_json(work / "x.json", {"ppl": float("inf")})
 
@@ -67,7 +67,7 @@ def api_step_from_config(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
 
 
 def api_rule_from_dict(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
-    from eqjax.rules import rule_from_dict
+    from eqjax.recipes.rules import rule_from_dict
 
     return rule_from_dict({"pattern": ".*", "bits": 4, "granularity": "tensor", "axis": 0})
 
@@ -117,7 +117,9 @@ def api_fuzz_recipes(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
     """200 random recipe dicts: each is a RecipeError-family error or a valid recipe."""
     import random
 
-    from eqjax.recipe import Recipe, RecipeError, recipe_from_dict
+    from eqjax.core.errors import RecipeError
+    from eqjax.recipes.registry import recipe_from_dict
+    from eqjax.recipes.types import Recipe
 
     rng = random.Random(0)
     keys = ["pattern", "bits", "symmetric", "granularity", "group_size", "axis", "calibrator", "percentile",

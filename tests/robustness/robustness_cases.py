@@ -31,14 +31,27 @@ import textwrap
 from typing import Any, Callable
 
 from robustness_api import (
-    api_quantize_nan, api_ppl_bad_ids, api_ppl_overflow, api_load_other_model, api_write_json_nan,
-    api_step_from_config, api_rule_from_dict, api_token_cache_content, check_token_cache, api_save_into_file,
     api_fuzz_recipes,
+    api_load_other_model,
+    api_ppl_bad_ids,
+    api_ppl_overflow,
+    api_quantize_nan,
+    api_rule_from_dict,
+    api_save_into_file,
+    api_step_from_config,
+    api_token_cache_content,
+    api_write_json_nan,
+    check_token_cache,
 )
 from robustness_fixtures import Case, Fixtures, Result, write_hf_model
 from robustness_inputs import inputs_cases
 from robustness_kill import (
-    kill_atomic_file, kill_checkpoint, kill_onnx, kill_run_then_resume, kill_run_sigint, kill_json_report,
+    kill_atomic_file,
+    kill_checkpoint,
+    kill_json_report,
+    kill_onnx,
+    kill_run_sigint,
+    kill_run_then_resume,
 )
 from robustness_outputs import outputs_cases
 from robustness_recipes import recipes_cases

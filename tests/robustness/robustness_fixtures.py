@@ -54,7 +54,7 @@ def write_gguf(path: pathlib.Path, *, blocks: int = 2, seed: int = 0) -> pathlib
     import gguf
     import numpy as np
 
-    from eqjax.tokenizer import bytes_to_unicode
+    from eqjax.io.tokenizer import bytes_to_unicode
 
     D, F, HQ, HKV, HD, L = 8, 32, 2, 1, 4, blocks
     tokens = ["<|endoftext|>", *bytes_to_unicode().values(), "Ġt", "he", "Ġthe"]
@@ -114,8 +114,8 @@ class Fixtures:
     def save_checkpoint(self, out: pathlib.Path, recipe: str) -> pathlib.Path:
         from eqjax.io import load_model
         from eqjax.io.orbax import save_quantized
-        from eqjax.recipe import quantize
-        from eqjax.recipes import get_recipe
+        from eqjax.recipes.apply import quantize
+        from eqjax.recipes.registry import get_recipe
 
         model, params, _ = load_model(self.root / "tiny")
         rec = get_recipe(recipe)

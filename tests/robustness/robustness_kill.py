@@ -57,14 +57,14 @@ def _kill(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 def kill_atomic_file(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
-    from eqjax.atomic import stale_temps, write_bytes
+    from eqjax.io.atomic import stale_temps, write_bytes
 
     target = work / "big.bin"
     old = b"previous good artifact\n" * 1000
     write_bytes(target, old)
     p = _child("""
         import sys, time
-        from eqjax.atomic import atomic_file
+        from eqjax.io.atomic import atomic_file
         with atomic_file(sys.argv[1], "wb") as f:
             for i in range(2000):
                 f.write(b"N" * (1 << 20)); f.flush()
@@ -107,8 +107,8 @@ def kill_checkpoint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
         fx = Fixtures(pathlib.Path(sys.argv[3]))
         from eqjax.io import load_model
         from eqjax.io.orbax import save_quantized
-        from eqjax.recipe import quantize
-        from eqjax.recipes import get_recipe
+        from eqjax.recipes.apply import quantize
+        from eqjax.recipes.registry import get_recipe
         model, params, _ = load_model(fx.root / "tiny")
         save_quantized(sys.argv[1], quantize(params, get_recipe("w4g128-rtn"), model=model), recipe="w4g128-rtn", model=model,
                        overwrite=True)
@@ -246,14 +246,14 @@ def kill_run_sigint(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
 
 def kill_json_report(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
     """Kill a process in the middle of write_json over an existing result: old or new, never half."""
-    from eqjax.atomic import write_json
+    from eqjax.io.atomic import write_json
 
     target = work / "r.json"
     write_json(target, {"ppl": 1.5})
     old = target.read_bytes()
     p = _child("""
         import sys, time, os
-        import eqjax.atomic as a
+        import eqjax.io.atomic as a
         real = os.fsync
         def slow(fd):
             print("fsync", flush=True); time.sleep(600)

@@ -233,7 +233,7 @@ _QUANTIZE_CHILD = """
         time.sleep(float(sys.argv[2]))
         return out
     ocp.StandardCheckpointer.save = save
-    from eqjax.cli import main
+    from eqjax.cli.main import main
     sys.exit(main(["quantize", "--model", sys.argv[3], "--recipe", "w4g128-rtn", "--out", sys.argv[1], "--overwrite"]))
 """
 
@@ -271,7 +271,7 @@ def kill_checkpoint_disk_full(fx: Fixtures, work: pathlib.Path, v: dict) -> str 
 def kill_concurrent_runs(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
     """A second ``run`` on an --out another run is writing is refused at once; once the first is killed
     (its lock dies with it) the output is free again."""
-    from eqjax.atomic import output_lock
+    from eqjax.io.atomic import output_lock
 
     out = work / "run"
     names = "fp,w8,w4g128-rtn,w8a8-naive,w8-absmax,w8-zeropoint,w4g128-rtn-sym,w8a8-zeroquant"

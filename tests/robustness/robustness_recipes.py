@@ -74,7 +74,7 @@ def api_quantize_by_name(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
 
 
 def check_quantized(fx: Fixtures, work: pathlib.Path, v: dict, res: Result) -> str | None:
-    from eqjax.qarray import QArray
+    from eqjax.core.qarray import QArray
 
     k = res.value["layers_0"]["attn"]["q_proj"]["kernel"]
     return None if isinstance(k, QArray) and k.bits == 8 else f"q_proj is {type(k).__name__}"
@@ -83,7 +83,7 @@ def check_quantized(fx: Fixtures, work: pathlib.Path, v: dict, res: Result) -> s
 def api_rule_matches_nothing(fx: Fixtures, work: pathlib.Path, v: dict) -> Any:
     import eqjax
     from eqjax.methods.rtn import RTN
-    from eqjax.recipes import weight_rule
+    from eqjax.recipes.registry import weight_rule
 
     model, params = _tiny(fx)
     return eqjax.quantize(params, eqjax.Recipe("mine", (RTN((weight_rule(4, pattern="decoder/.*"),)),)), model=model)

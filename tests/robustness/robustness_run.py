@@ -24,7 +24,7 @@ def _fmt(args: list[str], values: dict[str, str]) -> list[str]:
 
 
 def run_cli_inprocess(argv: list[str], env: dict[str, str] | None = None) -> Result:
-    from eqjax.cli import main
+    from eqjax.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     old = {k: os.environ.get(k) for k in (env or {})}
@@ -88,8 +88,8 @@ def _run_case(case: Case, fx: Fixtures, work: pathlib.Path, *, subprocess_cli: b
             return "correct", "previous artifact intact; partial output detectable; resumable", dt
         return ("loss" if failure.startswith("loss") else "silent"), failure, dt
     if case.api is not None:
-        from eqjax.errors import classify as error_kind
-        from eqjax.errors import exit_code
+        from eqjax.core.errors import classify as error_kind
+        from eqjax.core.errors import exit_code
 
         res = Result(0)
         try:

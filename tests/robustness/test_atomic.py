@@ -7,14 +7,36 @@ import os
 
 import pytest
 
-from eqjax.atomic import (
-    MARKER, JsonLines, artifact_kind, atomic_directory, atomic_file, atomic_files, atomic_path, check_not_input,
-    check_output_dir, check_output_file, output_lock, stale_temps, write_bytes, write_json, write_marker, write_report,
-    write_text,
+from eqjax.core.errors import (
+    CompatibilityError,
+    EqjaxError,
+    InputError,
+    NonFiniteResult,
+    OutputError,
+    RuntimeFailure,
+    classify,
+    describe,
+    exit_code,
+    one_line,
 )
-from eqjax.errors import (
-    CompatibilityError, EqjaxError, InputError, NonFiniteResult, OutputError, RuntimeFailure, classify, describe,
-    exit_code, one_line,
+from eqjax.io.atomic import (
+    MARKER,
+    JsonLines,
+    artifact_kind,
+    atomic_directory,
+    atomic_file,
+    atomic_files,
+    atomic_path,
+    check_not_input,
+    check_output_dir,
+    check_output_file,
+    output_lock,
+    stale_temps,
+    write_bytes,
+    write_json,
+    write_marker,
+    write_report,
+    write_text,
 )
 
 
@@ -168,7 +190,7 @@ def test_output_lock_refuses_a_second_process_and_not_a_dead_one(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    code = ("import sys, time\nfrom eqjax.atomic import output_lock\nwith output_lock(sys.argv[1]):\n"
+    code = ("import sys, time\nfrom eqjax.io.atomic import output_lock\nwith output_lock(sys.argv[1]):\n"
             "    print('locked', flush=True); time.sleep(60)\n")
     p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     try:
@@ -214,12 +236,11 @@ def test_json_lines_survive_a_torn_line(tmp_path):
 
 
 def test_exit_codes_and_one_line_messages():
+    from eqjax.core.errors import RecipeError, RuleError
+    from eqjax.core.qarray import QArrayError
     from eqjax.data import DataError
     from eqjax.io.gguf import GGUFError
     from eqjax.io.hf import CheckpointError
-    from eqjax.qarray import QArrayError
-    from eqjax.recipe import RecipeError
-    from eqjax.rules import RuleError
 
     for cls in (RecipeError, DataError, CheckpointError, GGUFError, OutputError, CompatibilityError):
         e = cls("x")

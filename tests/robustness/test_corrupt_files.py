@@ -13,13 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from robustness_cases import Fixtures
 
+from eqjax.core.errors import InputError, RecipeError, classify
 from eqjax.data import DataError, load_text_file
-from eqjax.errors import InputError, classify
 from eqjax.io import load_model
 from eqjax.io.gguf import GGUFError, load_gguf
 from eqjax.io.hf import CheckpointError
 from eqjax.io.orbax import load_quantized
-from eqjax.recipe import Recipe, RecipeError, load_recipe
+from eqjax.recipes.registry import load_recipe
+from eqjax.recipes.types import Recipe
 
 FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

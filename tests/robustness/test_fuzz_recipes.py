@@ -8,10 +8,11 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eqjax.errors import InputError
-from eqjax.recipe import Recipe, RecipeError, recipe_from_dict
-from eqjax.rules import RuleError, rule_from_dict
-from eqjax.schema import RULE_KEYS, SchemaError
+from eqjax.core.errors import InputError, RecipeError, RuleError
+from eqjax.recipes.registry import recipe_from_dict
+from eqjax.recipes.rules import rule_from_dict
+from eqjax.recipes.schema import RULE_KEYS, SchemaError
+from eqjax.recipes.types import Recipe
 
 VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-(10**20), 10**20), st.floats(allow_nan=True, allow_infinity=True),
@@ -125,7 +126,7 @@ def test_any_suffix_combination_is_one_recipe_or_a_recipe_error(base, suffixes):
     """A recipe name with suffixes is the recipe with each suffix applied once (at most one ``+emb-*``, then at
     most one ``+f16`` / ``+bf16``), or a one-line RecipeError; never a silently ignored suffix."""
     from eqjax.methods.halffloat import HalfFloats
-    from eqjax.recipes import get_recipe
+    from eqjax.recipes.registry import get_recipe
 
     name = "+".join([base, *suffixes])
     try:

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import flax.linen as nn
 import jax
+from flax import nnx
 
 from eqjax.core.analysis import analyze
 from eqjax.core.errors import InputError
 from eqjax.core.interpret import evaluate
 from eqjax.core.program import trace, trace_key
 from eqjax.core.pytree import flatten_with_paths
+from eqjax.core.qarray import is_quantized
 from eqjax.recipes.apply import model_context, quantize
 from eqjax.recipes.checks import check_model_arg, check_params_arg
 from eqjax.recipes.registry import resolve_recipe
@@ -96,35 +99,98 @@ class QuantizedLinen:
         return self._run(variables["params"], others, *args, **kwargs)
 
 
-class QuantizedNNX:
+class QuantizedParam(nnx.Variable):
+    """An NNX variable holding a quantized param (a :class:`~eqjax.core.qarray.QArray` or another quantized
+    leaf): not an ``nnx.Param``, so ``nnx.state(qmodel, nnx.Param)`` and ``nnx.Optimizer(..., wrt=nnx.Param)``
+    see only the float leaves."""
+
+
+class QuantizedNNX(nnx.Module):
     """An NNX module with quantized params, called like the module: ``qmodel(*args, **kwargs)``.
 
+    ``model`` is the user's module with each quantized param held in a :class:`QuantizedParam`; the call runs
+    the module's traced program through eqjax's interpreter (integer matmuls at the quantized weights). It is
+    an ``nnx.Module``: ``nnx.jit`` / ``nnx.grad`` over it, ``nnx.split`` / ``nnx.merge``, ``nnx.state`` (saved
+    and restored with Orbax), ``nnx.display`` and ``nnx.Optimizer(qmodel, tx, wrt=nnx.Param)`` work.
+
     Attributes:
-      params: the quantized params as a pure dict (QArray leaves), e.g. for saving.
-      report: what was quantized.
+      model: the quantized module; report: ``(param path, what was done)`` lines of the quantization.
     """
 
-    def __init__(self, graphdef: Any, param_state: Any, rest: Any, params: Any, report: list[tuple[str, str]]):
-        self.graphdef, self._state, self._rest, self.params = graphdef, param_state, rest, params
-        self.report = list(report)
-        self._run = QuantizedFunction(self._call, report)
+    def __init__(self, model: nnx.Module, report: Sequence[tuple[str, str]]):
+        self.model = model
+        self.report = tuple(tuple(r) for r in report)
+        self._run = QuantizedFunction(self._call, list(report))
 
-    def _call(self, params: Any, *args: Any, **kwargs: Any) -> Any:
-        return _nnx_call(self.graphdef, self._state, self._rest)(params, *args, **kwargs)
+    @property
+    def params(self) -> dict[str, Any]:
+        """The params as a pure dict (QArray leaves where quantized), e.g. for :func:`eqjax.io.orbax.save_quantized`."""
+        return nnx.to_pure_dict(nnx.state(self.model, (nnx.Param, QuantizedParam)))
+
+    @staticmethod
+    def _call(state: Mapping[str, Any], structure: "_Structure", *args: Any, **kwargs: Any) -> Any:
+        graphdef, pstate, rest = structure.value
+        pstate, rest = jax.tree.map(lambda x: x, pstate), jax.tree.map(lambda x: x, rest)
+        nnx.replace_by_pure_dict(pstate, state["params"])
+        nnx.replace_by_pure_dict(rest, _unwrap_keys(state["rest"], structure.key_impls))
+        return nnx.merge(graphdef, pstate, rest)(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(self.params, *args, **kwargs)
+        graphdef, pstate, rest = nnx.split(self.model, (nnx.Param, QuantizedParam), ...)
+        rest_pd = nnx.to_pure_dict(rest)
+        impls = jax.tree.map(lambda x: str(jax.random.key_impl(x)) if _is_key(x) else None, rest_pd)
+        rest_pd = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, rest_pd)
+        state = {"params": nnx.to_pure_dict(pstate), "rest": rest_pd}
+        return self._run(state, _Structure((graphdef, pstate, rest), impls), *args, **kwargs)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _unwrap_keys(rest: Any, impls: Any) -> Any:
+    """``rest`` with each RNG key (passed as its key data: the interpreter takes numeric arrays) re-wrapped."""
+    return jax.tree.map(lambda x, impl: x if impl is None else jax.random.wrap_key_data(x, impl=impl), rest, impls,
+                        is_leaf=lambda v: v is None)
+
+
+class _Structure:
+    """The module's structure as a static argument of a :class:`QuantizedFunction` call: equal (and hashed)
+    by its graph definition and RNG key kinds, so calls reuse one trace; its states are only templates (every
+    value is passed as an array)."""
+
+    def __init__(self, value: tuple[Any, Any, Any], key_impls: Any) -> None:
+        self.value, self.key_impls = value, key_impls
+        leaves, tree = jax.tree.flatten(key_impls, is_leaf=lambda v: v is None)
+        self._key = (value[0], tuple(leaves), tree)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Structure) and self._key == other._key
 
 
 def _nnx_call(graphdef: Any, state: Any, rest: Any) -> Callable[..., Any]:
-    from flax import nnx
-
     def call(pd: Any, *args: Any, **kwargs: Any) -> Any:
         st = jax.tree.map(lambda x: x, state)
         nnx.replace_by_pure_dict(st, pd)
         return nnx.merge(graphdef, st, rest)(*args, **kwargs)
 
     return call
+
+
+def _quantized_module(model: nnx.Module, qparams: Mapping[str, Any]) -> nnx.Module:
+    """A copy of ``model`` whose params are ``qparams`` (a pure dict), quantized leaves in :class:`QuantizedParam`."""
+    graphdef, state = nnx.split(model)
+    flat = dict(zip(*flatten_with_paths(qparams)[:2]))
+    swapped = []
+    for path, var in nnx.to_flat_state(state):
+        leaf = flat.get("/".join(map(str, path)))
+        if isinstance(var, nnx.Param) and leaf is not None:
+            var = QuantizedParam(leaf) if is_quantized(leaf) or not hasattr(leaf, "dtype") else var.replace(leaf)
+        swapped.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(swapped))
 
 
 def _unquantized(ctx: Any, qparams_by_path: Mapping[str, Any]) -> list[str]:
@@ -239,20 +305,15 @@ def quantize_model(
     recipe = resolve_recipe(recipe, f"recipe of {_WHERE}")
     calib = _as_calibration(calibration)
     example = _as_example(example)
-    try:
-        import flax.linen as nn
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        nnx = nn = None
-    if nnx is not None and isinstance(model, nnx.Module):
+    if isinstance(model, nnx.Module):
         graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
         pd = nnx.to_pure_dict(pstate)
         q, report = _run_recipe(_nnx_call(graphdef, pstate, rest), pd, recipe, calib, example, blocks, seed, progress)
-        return QuantizedNNX(graphdef, pstate, rest, q, report)
-    if nn is not None and not isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
+        return QuantizedNNX(_quantized_module(model, q), report)
+    if not isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
         params = model.params if params is None else params  # a Hugging Face Flax model (.module + .params)
         model = model.module
-    if nn is not None and isinstance(model, nn.Module):
+    if isinstance(model, nn.Module):
         if params is None:
             raise InputError(f"a linen module needs params (params= of {_WHERE}): expected its 'params' "
                              "collection (or its variables dict), found None")

@@ -276,6 +276,9 @@ class QArray:
 
     def __repr__(self) -> str:
         kind = "sym" if self.symmetric else "asym"
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (self.values, self.scale)):
+            # a tree map over the fields put other leaves there (shapes, dtypes, specs): show them as they are
+            return f"QArray(int{self.bits} {kind}, {self.granularity}, values={self.values!r}, scale={self.scale!r})"
         return (
             f"QArray(int{self.bits} {kind}, {self.granularity}, shape={self.shape}, "
             f"dtype={jnp.dtype(self.dtype).name}, nbytes={self.nbytes})"

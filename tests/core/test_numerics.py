@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 
 import hypothesis.extra.numpy as hnp
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -473,3 +474,12 @@ def test_low_precision_inputs(dtype, data):
     # and within half a step (plus that rounding) of the input
     assert np.all(np.abs(np.asarray(out.astype(jnp.float32), np.float64) - x64)
                   <= s_el / 2 * (1 + 1e-6) + (eps / 2 + rg.U32) * np.abs(expected) + tiny / 2)
+
+
+def test_qarray_repr_after_a_tree_map_to_non_arrays():
+    """``jax.tree.map(lambda a: a.shape, tree)`` is a common way to look at a param tree: the QArrays in it
+    hold shapes instead of arrays and still print."""
+    w = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) / 100
+    q = quantize(w, QuantSpec(8, True, per_channel(1), "absmax"))
+    text = repr(jax.tree.map(lambda a: a.shape, q))
+    assert "values=(64, 8)" in text and "int8" in text

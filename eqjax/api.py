@@ -19,6 +19,7 @@ static; each new argument shape or static value traces once more.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -76,27 +77,65 @@ class QuantizedFunction:
         return fn(dict(zip(paths, leaves)), dyn)
 
 
-class QuantizedLinen:
-    """A linen module's ``apply`` with quantized params: ``apply({"params": qparams, ...}, *args, **kwargs)``."""
+def _linen_call(module: nn.Module) -> Callable[..., Any]:
+    """``module.apply`` as ``fn(params, others, *args, method=None, **kwargs)`` (``others``: non-param collections)."""
 
-    def __init__(self, module: Any, report: list[tuple[str, str]] | None = None):
-        self.module = module
-        self.report = list(report or [])
-        self._run = QuantizedFunction(self._call, report)
-
-    def _call(self, params: Any, others: Mapping[str, Any], *args: Any, method: Any = None, **kwargs: Any) -> Any:
+    def call(params: Any, others: Mapping[str, Any], *args: Any, method: Any = None, **kwargs: Any) -> Any:
         kw = {} if method is None else {"method": method}
-        return self.module.apply({"params": params, **others}, *args, **kw, **kwargs)
+        return module.apply({"params": params, **others}, *args, **kw, **kwargs)
 
-    def apply(self, variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        if "mutable" in kwargs and kwargs["mutable"]:
+    return call
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_runner(module: nn.Module) -> QuantizedFunction:
+    return QuantizedFunction(_linen_call(module))
+
+
+def _linen_runner(module: nn.Module) -> QuantizedFunction:
+    """One :class:`QuantizedFunction` (its traces and compiled programs) per module value: linen rebuilds
+    submodules at every ``apply``, so the module, not the wrapper instance, carries the cache."""
+    try:
+        return _cached_runner(module)
+    except TypeError:  # a module with unhashable fields: traced at every call
+        return QuantizedFunction(_linen_call(module))
+
+
+class QuantizedLinen(nn.Module):
+    """A linen module with quantized params: ``apply({"params": qparams, ...}, *args, **kwargs)`` like the
+    original (``method=`` selects the original module's method), ``jax.jit(qmodel.apply)``, and a submodule
+    of a larger module, where ``qparams`` creates its quantized params at the parent's
+    ``init``, and the parent's ``apply`` takes them from its own ``params``:
+    ``QuantizedLinen(module, qparams=qparams, name="q")(x)`` in the parent's ``__call__`` (or ``setup``).
+
+    Attributes:
+      module: the original module; qparams: the quantized params ``init`` creates (None: ``apply`` only);
+      report: ``(param path, what was done)`` lines of the quantization.
+    """
+
+    module: nn.Module
+    qparams: Any = None
+    report: tuple[tuple[str, str], ...] = ()
+
+    @nn.compact
+    def __call__(self, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        if self.qparams is not None:  # as a submodule: declared (and created at init) like any param
+            params = {k: self.param(k, lambda rng, v=v: v) for k, v in self.qparams.items()}
+        else:
+            params = dict(self.variables.get("params", {}))
+        others = {k: v for k, v in self.variables.items() if k != "params"}
+        return _linen_runner(self.module)(params, others, *args, method=method, **kwargs)
+
+    def apply(self, variables: Mapping[str, Any], *args: Any, method: Any = None, mutable: Any = False,
+              **kwargs: Any) -> Any:
+        """``apply`` of the original module with quantized params (no mutable collections: a pure function)."""
+        if mutable:
             raise InputError("QuantizedLinen.apply: mutable collections are not supported (the quantized model "
                              "is a pure function of its variables)")
-        kwargs.pop("mutable", None)
         if not isinstance(variables, Mapping) or "params" not in variables:
             raise InputError("QuantizedLinen.apply: pass the variables dict {'params': qparams, ...}")
-        others = {k: v for k, v in variables.items() if k != "params"}
-        return self._run(variables["params"], others, *args, **kwargs)
+        call = (lambda m, *a, **k: m(*a, method=method, **k)) if method is not None else None
+        return super().apply(variables, *args, method=call, **kwargs)
 
 
 class QuantizedParam(nnx.Variable):
@@ -324,11 +363,10 @@ def quantize_model(
         check_params_arg(params, f"params of {_WHERE}")
         first = calib[0] if calib else example
         _check_linen_params(model, params, first if isinstance(first, tuple) or first is None else (first,))
-        qlinen = QuantizedLinen(model)
-        fn = lambda p, *a, **k: qlinen._call(p, others, *a, **k)  # noqa: E731
+        call = _linen_call(model)
+        fn = lambda p, *a, **k: call(p, others, *a, **k)  # noqa: E731
         q, report = _run_recipe(fn, params, recipe, calib, example, blocks, seed, progress)
-        qlinen.report = report
-        return qlinen, q
+        return QuantizedLinen(model, report=tuple(tuple(r) for r in report)), q
     if callable(model):
         if params is None:
             raise InputError(f"a function model needs params (params= of {_WHERE}): expected the tree "

@@ -28,7 +28,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from tests.test_cli import tiny  # noqa: F401,F811 - the tiny HF model fixture
+
+from tests.cli.test_cli import tiny  # noqa: F401,F811 - the tiny HF model fixture
 
 pytestmark = pytest.mark.slow
 

@@ -437,6 +437,49 @@ def page_flax() -> str:
     return "\n".join(body)
 
 
+# ------------------------------------------------------------------------------------------- layouts
+def page_layouts() -> str:
+    d = load("layouts.json")
+    m = d["meta"]
+    layouts = ["eqjax Llama", "gemma-style NNX", "einsum linen"]
+    body = [f"# One recipe, three layouts of the same weights\n\n{GENERATED}\n",
+            "```bash\npython bench/layouts.py\npython bench/layouts.py --order-check w4g128-gptq --merge\n"
+            "python bench/layouts.py --order-check w8a8-smoothquant --merge\n```\n",
+            "SmolLM2-135M's weights in eqjax's own Llama (`eqjax.quantize`), in a gemma-style NNX model (fused kv "
+            "`[2, K, D, H]` and gate/up `[2, F, D]` einsum weights, an attention output `[N, H, D]` contracted over two "
+            "axes, no `kernel` names) and in an einsum linen model (`DenseGeneral` / `Einsum`, kv fused on a leading "
+            "axis, gate/up concatenated on the output axis), both through `eqjax.quantize_model` "
+            "(`examples/layout_models.py`); same calibration and evaluation windows.\n",
+            f"**Protocol.** {m['protocol']}. Bytes: every param leaf (codes, scales, zero points, float leaves).\n"]
+    rows = []
+    for r in dict.fromkeys(x["recipe"] for x in d["rows"]):
+        by = {x["layout"]: x for x in d["rows"] if x["recipe"] == r}
+        if not all(x in by for x in layouts):
+            continue
+        base = by[layouts[0]]["ppl"]
+        diffs = [100 * (by[x]["ppl"] - base) / base for x in layouts[1:]]
+        same_bytes = len({by[x]["bytes"] for x in layouts}) == 1
+        rows.append([f"`{r}`"] + [f3(by[x]["ppl"]) for x in layouts] + [" / ".join(pct(x, 3) for x in diffs),
+                    f"{by[layouts[0]]['bytes'] / 1e6:.1f} MB" + ("" if same_bytes else " (differ)"),
+                    " / ".join(f"{by[x]['quantize_s']:.0f}" for x in layouts)])
+    body.append(table(["recipe"] + [f"ppl, {x}" for x in layouts] + ["diff (gemma / linen)", "bytes, all three",
+                                                                      "quantize s"], rows,
+                      ["---", "--:", "--:", "--:", "--:", "--:", "--:"]))
+    spread = [x for x in d["rows"] if x["layout"].startswith(layouts[0] + ", ")]
+    if spread:
+        base = {x["recipe"]: x["ppl"] for x in d["rows"] if x["layout"] == layouts[0]}
+        body.append("\nSpread from float summation order alone: eqjax's own model, the same calibration windows in "
+                    "another order (GPTQ carries each rounding decision into the later inputs of its column, so "
+                    "activations that differ in the last bits end on other codes):\n")
+        body.append(table(["recipe", "calibration order", "ppl", "diff vs eqjax Llama above"],
+                          [[f"`{x['recipe']}`", x["layout"].split(", ", 1)[1], f3(x["ppl"]),
+                            pct(100 * (x["ppl"] - base[x["recipe"]]) / base[x["recipe"]], 3)]
+                           for x in spread if x["recipe"] in base]))
+    machine = f"{m.get('cpu', CPU_MACHINE)} ({m['cpus']} CPUs)"
+    body.append("\n" + source(["layouts.json"], machine) + "\n")
+    return "\n".join(body)
+
+
 # ------------------------------------------------------------------------------------------- onnx
 def onnx_table(d: dict[str, Any], band: bool = False) -> str:
     head = ["variant", "file MiB", "ppl (onnxruntime)", "ppl (eqjax)"]
@@ -883,6 +926,7 @@ PAGES: dict[str, tuple[str, Callable[[], str], str]] = {
     "rotation.md": ("Rotations", page_rotation, "quality_rotation.json, rotation_rtn.json"),
     "search.md": ("Mixed-precision search", page_search, "search_kl*/pareto.json"),
     "flax_models.md": ("Third-party Flax models", page_flax, "flax_models.json"),
+    "layouts.md": ("Weight layouts", page_layouts, "layouts.json"),
     "onnx.md": ("ONNX packages", page_onnx, "onnx*.json"),
     "gguf.md": ("GGUF in llama.cpp", page_gguf, "gguf_llamacpp.json"),
     "kv_levels.md": ("2-bit KV levels", page_kv, "kv_levels*.json"),

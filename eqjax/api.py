@@ -298,8 +298,9 @@ def _check_linen_params(module: Any, params: Any, args: tuple[Any, ...] | None) 
 def _run_recipe(fn: Callable, params: Any, recipe: Recipe, calibration: Any, example: Any, blocks: Any,
                 seed: int, progress: bool) -> tuple[Any, list[tuple[str, str]]]:
     if recipe.kv is not None:
-        raise InputError(f"recipe {recipe.name!r} quantizes the KV cache, which quantize_model does not support yet "
-                         "(only eqjax's own models); use a weight recipe")
+        raise InputError(f"recipe {recipe.name!r} quantizes the KV cache: a model needs a kv_quant hook on its "
+                         "keys (pre-RoPE, [B, T, kv_heads, head_dim]) and values, as eqjax's own models have "
+                         "(eqjax.models, eqjax.io.load_model); quantize_model takes weight recipes only")
     if calibration is None and example is None:
         raise InputError("quantize_model needs calibration= batches (or example= inputs for recipes without "
                          "calibration) to see how the model uses its params")

@@ -82,6 +82,7 @@ CASES = {
         "--out", str(w / "out"))], 55),
     "quantize_smollm2": Case("quantize_smollm2.py", lambda w: [_script(
         "quantize_smollm2.py", "--recipe", "w4g128-rtn", "--eval-windows", "1")], 85),
+    "layout_models": Case("layout_models.py", lambda w: [_script("layout_models.py", "--layers", "1")], 20),
     "model_parallel": Case("model_parallel.py", lambda w: [_script(
         "model_parallel.py", "--recipes", "w8a8-smoothquant", "--layers", "1")], 13),
     "multihost": Case("multihost.py", _multihost, 8, xla_flags="--xla_force_host_platform_device_count=2"),
@@ -213,6 +214,16 @@ def test_quantize_smollm2(runs) -> None:
     assert "w4g128-rtn: ppl " in r.out and "on 1024 tokens" in r.out
     assert "Orbax round trip: identical logits" in r.out
     assert "greedy: The capital of France is" in r.out
+
+
+def test_layout_models(runs) -> None:
+    r = runs("layout_models")
+    assert "layers/0/attn/attn_vec_einsum/w      rtn: int4 asym group128@axes0-1" in r.out
+    s = last_json(r.out)
+    # the same quantized weights in another layout: the logits differ by float summation order only, as the
+    # float models do (and at least by a few ulps of the largest logit)
+    bound = 4 * max(s["float_max_abs"], np.finfo(np.float32).eps * s["logit_max_abs"])
+    assert s["gemma_nnx_max_abs"] <= bound and s["einsum_linen_max_abs"] <= bound
 
 
 def test_model_parallel(runs) -> None:

@@ -122,12 +122,15 @@ def _weight_int(w: QArray) -> jax.Array:
 
 def w8a8_k_order(w: QArray, contracting: tuple[int, ...]) -> tuple[int, ...]:
     """The order of the weight's contracted axes in the activation rows :func:`act_quant_matmul`
-    takes: ascending, with the group axis (for group-wise scales along an input axis) last."""
+    takes: ascending, with the group axes (for group-wise scales along input axes) last."""
     gran = w.granularity
-    if gran.kind == "group" and gran.axes[0] in contracting:
-        g = gran.axes[0]
-        return tuple(a for a in contracting if a != g) + (g,)
+    if _input_grouped(gran, contracting):
+        return tuple(a for a in contracting if a not in gran.axes) + gran.axes
     return tuple(contracting)
+
+
+def _input_grouped(gran: Any, contracting: tuple[int, ...]) -> bool:
+    return gran.kind == "group" and all(a in contracting for a in gran.axes)
 
 
 def act_quant_matmul(x2: jax.Array, k: ActQuantKernel, contracting: tuple[int, ...] = (0,),
@@ -149,11 +152,11 @@ def act_quant_matmul(x2: jax.Array, k: ActQuantKernel, contracting: tuple[int, .
     N = int(np.prod([shape[a] for a in free], dtype=np.int64))
     wscale = w.scale.astype(jnp.float32)
     M = qx.shape[0]
-    if gran.kind == "group" and gran.axes[0] in contracting:
-        g, G = gran.axes[0], gran.group_size
-        other = order[:-1]
+    if _input_grouped(gran, contracting):
+        G = gran.group_size
+        other = order[: len(order) - len(gran.axes)]
         O = int(np.prod([shape[a] for a in other], dtype=np.int64))
-        Dg = shape[g]
+        Dg = int(np.prod([shape[a] for a in gran.axes], dtype=np.int64))
         ng = -(-Dg // G)
         wi = jnp.transpose(qw, order + free).reshape(O, Dg, N)
         xi = qx.reshape(M, O, Dg)

@@ -175,18 +175,21 @@ def _check_input(x: jax.Array, name: str) -> None:
 def _blocked(x: jax.Array, gran: Granularity) -> tuple[jax.Array, tuple[int, ...]]:
     """View of ``x`` in which each scale block is reduced over the returned axes (keepdims).
 
-    A ragged last group is padded by repeating the axis' last element, which leaves its absmax and
-    min/max unchanged (the percentile and MSE searches see the repeats).
+    A group layout flattens its axes ``a..b`` into one (row-major) and cuts it into ``[n, size]``.
+    A ragged last group is padded by repeating the flattened axis' last element, which leaves its
+    absmax and min/max unchanged (the percentile and MSE searches see the repeats).
     """
     if gran.kind == "group":
-        (g,) = gran.axes
+        a, b = gran.axes[0], gran.axes[-1]
         size = gran.group_size
-        n = -(-x.shape[g] // size)
-        pad = n * size - x.shape[g]
+        length = int(np.prod(x.shape[a : b + 1], dtype=np.int64))
+        x = x.reshape(x.shape[:a] + (length,) + x.shape[b + 1 :])
+        n = -(-length // size)
+        pad = n * size - length
         if pad:
-            x = jnp.pad(x, [(0, pad) if i == g else (0, 0) for i in range(x.ndim)], mode="edge")
-        view = x.reshape(x.shape[:g] + (n, size) + x.shape[g + 1 :])
-        return view, (g + 1,)
+            x = jnp.pad(x, [(0, pad) if i == a else (0, 0) for i in range(x.ndim)], mode="edge")
+        view = x.reshape(x.shape[:a] + (n, size) + x.shape[a + 1 :])
+        return view, (a + 1,)
     if gran.kind == "channel":
         return x, tuple(i for i in range(x.ndim) if i not in gran.axes)
     return x, tuple(range(x.ndim))
@@ -196,18 +199,26 @@ def _unblock(view: jax.Array, gran: Granularity, shape: tuple[int, ...]) -> jax.
     """Inverse of :func:`_blocked` (drops the padding of a ragged last group)."""
     if gran.kind != "group":
         return view.reshape(shape)
-    (g,) = gran.axes
-    flat = view.reshape(shape[:g] + (view.shape[g] * view.shape[g + 1],) + shape[g + 1 :])
-    return jax.lax.slice_in_dim(flat, 0, shape[g], axis=g)
+    a, b = gran.axes[0], gran.axes[-1]
+    length = int(np.prod(shape[a : b + 1], dtype=np.int64))
+    flat = view.reshape(view.shape[:a] + (view.shape[a] * view.shape[a + 1],) + view.shape[a + 2 :])
+    return jax.lax.slice_in_dim(flat, 0, length, axis=a).reshape(shape)
 
 
 def _to_view(s: jax.Array, gran: Granularity) -> jax.Array:
     """Scale (scale_shape) -> broadcastable against the blocked view."""
-    return jnp.expand_dims(s, gran.axes[0] + 1) if gran.kind == "group" else s
+    if gran.kind != "group":
+        return s
+    a, b = gran.axes[0], gran.axes[-1]
+    return jnp.expand_dims(s.reshape(s.shape[:a] + (s.shape[b],) + s.shape[b + 1 :]), a + 1)
 
 
 def _from_view(s: jax.Array, gran: Granularity) -> jax.Array:
-    return jnp.squeeze(s, gran.axes[0] + 1) if gran.kind == "group" else s
+    if gran.kind != "group":
+        return s
+    a, b = gran.axes[0], gran.axes[-1]
+    s = jnp.squeeze(s, a + 1)
+    return s.reshape(s.shape[:a] + (1,) * (b - a) + s.shape[a:])
 
 
 def _round_up_to(scale: jax.Array, dtype: str) -> jax.Array:

@@ -14,11 +14,15 @@ Layouts (the :class:`Granularity` of the scale):
   group *and* per index of every other axis (the usual group-wise weight layout for ``axis=0`` of an
   ``[in, out]`` kernel). When ``size`` does not divide the axis the last group is shorter
   (``576 = 4 x 128 + 64``, as GPTQ/AWQ reference code does it) and has its own scale.
+* ``per_group((a, ..., b), size)``: groups of ``size`` along the *flattened* (row-major) product of
+  the consecutive axes ``a..b``, as a weight contracted over several axes (``[heads, head_dim, out]``)
+  is grouped along its flattened input ``K``. The scale has size 1 on ``a..b-1`` and
+  ``ceil(prod(shape[a..b]) / size)`` on ``b``; a single axis is the layout above.
 
 Storage ("codes"):
 
 * ``bits <= 4``: unsigned codes in ``[0, 2**bits - 1]`` packed densely along ``pack_axis`` (always the
-  group axis for group layouts, else axis 0): ``n = 8 / gcd(bits, 8)`` consecutive codes occupy
+  group axis for group layouts, the last one for a multi-axis group, else axis 0): ``n = 8 / gcd(bits, 8)`` consecutive codes occupy
   ``bits * n / 8`` bytes, little-endian, first code in the lowest bits. For 4 bits this is "two per
   byte, even index in the low nibble"; 2 bits four per byte; 3 bits eight codes in three bytes. The
   pack axis is zero-padded to a multiple of ``n``; ``shape`` holds the unpadded shape.
@@ -40,7 +44,9 @@ Invariants (checked by :func:`validate`):
    and lies in ``[0, 2**bits - 1]``. An asymmetric array represents 0.0 exactly (code == zp).
 4. ``values.dtype`` and ``values.shape`` are those :func:`storage_shape` / :func:`storage_dtype` give;
    every (unpacked) code lies in its range.
-5. For group layouts the scale has ``ceil(shape[axis] / group_size)`` entries along ``axis``.
+5. For group layouts the scale has ``ceil(shape[axis] / group_size)`` entries along ``axis`` (for a
+   multi-axis group: ``ceil(prod(shape[axes]) / group_size)`` on the last axis, 1 on the others; the
+   axes are consecutive and ascending).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ __all__ = [
     "per_tensor",
     "per_channel",
     "per_group",
+    "describe_granularity",
     "per_output_channel",
     "per_input_group",
     "scale_shape",
@@ -108,8 +115,8 @@ class Granularity:
             raise QArrayError(f"a role-relative granularity ({self.kind}) takes no axes")
         if self.kind == "input_group" and self.group_size < 1:
             raise QArrayError("an input_group granularity needs group_size >= 1")
-        if self.kind == "group" and (len(self.axes) != 1 or self.group_size < 1):
-            raise QArrayError("a group granularity needs exactly one axis and group_size >= 1")
+        if self.kind == "group" and (not self.axes or self.group_size < 1):
+            raise QArrayError("a group granularity needs at least one axis and group_size >= 1")
         if self.kind == "tensor" and self.axes:
             raise QArrayError("a per-tensor granularity takes no axes")
 
@@ -126,6 +133,8 @@ class Granularity:
             if not -ndim <= a < ndim:
                 raise QArrayError(f"axis {a} out of range for an array of rank {ndim}")
             axes.append(a % ndim)
+        if self.kind == "group" and len(axes) > 1 and axes != list(range(axes[0], axes[0] + len(axes))):
+            raise QArrayError(f"a multi-axis group runs along consecutive ascending axes, got {tuple(self.axes)}")
         return dataclasses.replace(self, axes=tuple(sorted(set(axes))) if self.kind == "channel" else tuple(axes))
 
     def __str__(self) -> str:
@@ -137,7 +146,18 @@ class Granularity:
             return "per-output-channel"
         if self.kind == "input_group":
             return f"group{self.group_size}@input"
+        if len(self.axes) > 1:
+            return f"group{self.group_size}@axes{self.axes[0]}-{self.axes[-1]}"
         return f"group{self.group_size}@axis{self.axes[0]}"
+
+
+def describe_granularity(gran: Granularity, shape: tuple[int, ...]) -> str:
+    """``str(gran)`` for an array of ``shape``, naming the group actually used where the grouped axes hold
+    fewer elements than one group (``group128@axis0 (one group of 64)``)."""
+    if gran.kind != "group":
+        return str(gran)
+    span = int(np.prod([shape[a] for a in gran.axes], dtype=np.int64))
+    return f"{gran} (one group of {span})" if span < gran.group_size else str(gran)
 
 
 def per_tensor() -> Granularity:
@@ -150,9 +170,10 @@ def per_channel(axes: int | tuple[int, ...] = -1) -> Granularity:
     return Granularity("channel", (axes,) if isinstance(axes, int) else tuple(axes))
 
 
-def per_group(axis: int, size: int) -> Granularity:
-    """Contiguous groups of ``size`` along ``axis``, one scale per group and per other index."""
-    return Granularity("group", (axis,), int(size))
+def per_group(axis: int | tuple[int, ...], size: int) -> Granularity:
+    """Contiguous groups of ``size`` along ``axis`` (or along the flattened consecutive ``axes``), one
+    scale per group and per other index."""
+    return Granularity("group", (axis,) if isinstance(axis, int) else tuple(axis), int(size))
 
 
 def per_output_channel() -> Granularity:
@@ -171,8 +192,9 @@ def scale_shape(shape: tuple[int, ...], gran: Granularity) -> tuple[int, ...]:
         return (1,) * len(shape)
     if gran.kind == "channel":
         return tuple(d if i in gran.axes else 1 for i, d in enumerate(shape))
-    (g,) = gran.axes
-    return tuple(-(-d // gran.group_size) if i == g else d for i, d in enumerate(shape))
+    axes = gran.axes
+    n = -(-int(np.prod([shape[a] for a in axes], dtype=np.int64)) // gran.group_size)
+    return tuple(n if i == axes[-1] else 1 if i in axes else d for i, d in enumerate(shape))
 
 
 def codes_per_word(bits: int) -> int:
@@ -185,7 +207,7 @@ def is_packed(bits: int) -> bool:
 
 
 def pack_axis_for(gran: Granularity) -> int:
-    return gran.axes[0] if gran.kind == "group" else 0
+    return gran.axes[-1] if gran.kind == "group" else 0
 
 
 def storage_shape(shape: tuple[int, ...], bits: int, pack_axis: int) -> tuple[int, ...]:

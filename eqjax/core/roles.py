@@ -5,9 +5,13 @@
   without one is laid out as ``[rows, features...]``.
 * :func:`resolve_granularity` turns the role-relative granularities (``per_output_channel``,
   ``per_input_group``) into concrete axes of the param: one scale per output channel (the free axes,
-  plus stacked axes of a scanned param), groups along the last contracted axis (a group never spans two
-  indices of an outer contracted axis; where the group does not divide the axis, the last group of each
-  row is shorter, and an axis shorter than the group is one group).
+  plus stacked axes of a scanned param), groups along the *flattened* contraction ``K`` (the contracted
+  axes in order, row-major), so a weight means the same whatever its layout: ``[H*hd, D]`` and
+  ``[H, hd, D]`` get the same groups. The granularity names the fewest trailing contracted axes whose
+  product the group divides (one axis when it divides the last); where it divides none, all of them,
+  and the last group of ``K`` is shorter (``576 = 4 x 128 + 64``). Contracted axes that are not
+  adjacent in the param cannot be flattened in place: groups then run along the last one, with a
+  :class:`GroupLayoutWarning` naming the weight.
 * :func:`check_quantizable` refuses params that are neither matmul weights nor embedding tables,
   naming what reads them.
 """
@@ -15,13 +19,21 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
+
+import numpy as np
 
 from eqjax.core.analysis import Analysis, Role
 from eqjax.core.errors import InputError
 from eqjax.core.qarray import Granularity, per_channel, per_group, per_tensor
 
-__all__ = ["Layout", "weight_layout", "resolve_granularity", "check_quantizable"]
+__all__ = ["Layout", "GroupLayoutWarning", "weight_layout", "resolve_granularity", "input_group_axes",
+           "check_quantizable"]
+
+
+class GroupLayoutWarning(UserWarning):
+    """A recipe's input groups could not run along a weight's flattened contraction."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +82,25 @@ def resolve_granularity(gran: Granularity, layout: Layout | None, shape: tuple[i
         return per_channel(layout.free) if layout.free else per_tensor()
     if not layout.contracting:
         raise InputError(f"{path}: no input axis to group along")
-    return per_group(max(layout.contracting), gran.group_size)
+    return per_group(input_group_axes(layout.contracting, shape, gran.group_size, path), gran.group_size)
+
+
+def input_group_axes(contracting: tuple[int, ...], shape: tuple[int, ...], group_size: int,
+                     path: str = "") -> tuple[int, ...]:
+    """The param axes groups of ``group_size`` run along (see the module docs): the fewest trailing
+    contracted axes whose product ``group_size`` divides, else all of them."""
+    for j in range(len(contracting) - 1, -1, -1):
+        if int(np.prod([shape[a] for a in contracting[j:]], dtype=np.int64)) % group_size == 0:
+            break
+    else:
+        j = 0
+    axes = tuple(contracting[j:])
+    if axes != tuple(range(axes[0], axes[0] + len(axes))):
+        warnings.warn(f"{path}: groups of {group_size} cannot run along the flattened contraction of axes "
+                      f"{axes} (not adjacent in the param {tuple(shape)}); grouped along axis {axes[-1]} alone",
+                      GroupLayoutWarning, stacklevel=3)
+        return (axes[-1],)
+    return axes
 
 
 def check_quantizable(an: Analysis | None, path: str, rule_pattern: str) -> Role | None:

@@ -51,8 +51,12 @@ def _tp_plan(shape: tuple[int, ...], spec: QuantSpec, n: int, dim: int) -> tuple
         return "sync", gran
     if gran.kind == "channel":
         return ("local" if dim in gran.axes else "sync"), gran
-    (g,) = gran.axes
-    if g != dim or local_len % gran.group_size == 0:
+    if dim not in gran.axes:
+        return "local", gran
+    if len(gran.axes) > 1:
+        raise QArrayError(f"groups along the flattened axes {gran.axes} cannot be split along axis {dim}; "
+                          "shard another axis")
+    if local_len % gran.group_size == 0:
         return "local", gran
     return "straddle", gran
 

@@ -161,9 +161,13 @@ class Blocked:
 
 def _block_size(q: QArray, contracting: tuple[int, ...], shape: tuple[int, ...], K: int) -> int:
     g = q.granularity
-    if g.kind == "group" and g.axes[0] in contracting:
+    if g.kind == "group" and all(a in contracting for a in g.axes):
         G = g.group_size
-        inner_ok = g.axes[0] == max(contracting) and (len(contracting) == 1 or shape[g.axes[0]] % G == 0)
+        # groups are MatMulNBits blocks of the flattened K when their axes end it and they never straddle
+        # an outer contracted index (or span all of K)
+        span = int(np.prod([shape[a] for a in g.axes], dtype=np.int64))
+        trailing = tuple(sorted(contracting))[len(contracting) - len(g.axes):] == g.axes
+        inner_ok = trailing and (len(g.axes) == len(contracting) or span % G == 0)
         if not inner_ok or G < 16 or G & (G - 1):
             return 0
         # a short last group (576 = 4 x 128 + 64): blocks of gcd(G, K) hold the same numbers without padding
@@ -190,7 +194,7 @@ def blocked(q: QArray, contracting: tuple[int, ...], free: tuple[int, ...], inde
     bs = _block_size(q, contracting, q.shape, K)
     if bs == 0:
         raise ExportError(f"{path}: group size {q.granularity.group_size} along {q.granularity} cannot be laid out "
-                          "as MatMulNBits blocks (needs a power of two >= 16 along the last input axis)")
+                          "as MatMulNBits blocks (needs a power of two >= 16 along the trailing input axes)")
     nb = -(-K // bs)
     pad = nb * bs - K
     if pad:
@@ -365,7 +369,7 @@ def _emit_w8a8(g: Graph, x: str, k: ActQuantKernel, use: Any, hint: str,
         raise ExportError(f"{use.path}: W8A8 needs a weight used without batch or stacked axes")
     K, N = use.k, use.n
     gran = w.granularity
-    grouped = gran.kind == "group" and gran.axes[0] in use.contracting
+    grouped = gran.kind == "group" and all(a in use.contracting for a in gran.axes)
     if grouped and (len(use.contracting) != 1 or K % gran.group_size):
         raise ExportError(f"{use.path}: W8A8 group size {gran.group_size} must divide the input width {K} "
                           "(a short last group) and run along a single input axis")

@@ -17,8 +17,10 @@ channels of the query heads sharing a kv head are tied):
 
 A group whose input has no such producer (e.g. GPT-2's ``gelu`` before ``c_proj``, or an input that is
 also a residual) is not scaled; the step logs which and why. Then, for every weight except those
-whose error passes through a softmax (query / key projections, recognized by name: ``no_clip``), per
-group of ``G`` inputs and per output channel, shrink ``max|w|`` by ``1 - i / clip_grid`` for ``i <
+whose error passes through a softmax (the output columns of query / key projections, found by data
+flow: :func:`eqjax.core.scores.score_columns`, so a fused kv or qkv weight clips only its value
+columns; ``no_clip`` names further weights by path component), per group of ``G`` inputs and per
+output channel, shrink ``max|w|`` by ``1 - i / clip_grid`` for ``i <
 max_shrink * clip_grid`` and keep the ratio minimizing that group's partial-output error.
 
 Losses use the weight *outputs* through the input second moment: ``||X E||^2 = tr(E^T X^T X E)``,
@@ -43,17 +45,16 @@ from eqjax.core.analysis import WeightUse, from_weight_matrix, matrix_to_slice, 
 from eqjax.core.errors import InputError
 from eqjax.core.folds import Fold
 from eqjax.core.numerics import QuantSpec, fake_quantize
-from eqjax.methods.grid import group_ids
+from eqjax.core.scores import score_columns
+from eqjax.methods.grid import gran_group_ids
 from eqjax.methods.rtn import concrete_spec, step_targets, weight_step_spec
 from eqjax.recipes.rules import Rule
 from eqjax.recipes.schema import step_kwargs
 
-__all__ = ["AWQ", "search_scale", "search_clip", "apply_fold", "NO_CLIP"]
+__all__ = ["AWQ", "search_scale", "search_clip", "apply_fold"]
 
 log = logging.getLogger("eqjax")
 
-NO_CLIP = ("q_proj", "k_proj", "c_attn", "query", "key", "wq", "wk", "qkv", "q", "k")
-"""Path components of weights whose output feeds attention scores (their clipping is skipped)."""
 
 
 def _out_err(e: jax.Array, h: jax.Array) -> jax.Array:
@@ -131,7 +132,7 @@ def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *,
     partial-output error ``e^T H_bb e`` after fake quantization with ``spec`` (the param's layout)."""
     gran = spec.granularity
     dims = tuple(use.shape[a] for a in use.contracting)
-    gid, ng = group_ids(dims, gran.group_size if gran.kind == "group" else None)
+    gid, ng = gran_group_ids(dims, gran)
     size = int(np.max(np.bincount(gid)))
     blocks = tuple(tuple(np.pad(np.flatnonzero(gid == g), (0, size - int(np.sum(gid == g))), constant_values=-1))
                    for g in range(ng))
@@ -176,7 +177,7 @@ class AWQ:
     scale_dtype: str | None = None
     sink_tokens: int = 0
     sink_weight: float = 0.0
-    no_clip: tuple[str, ...] = NO_CLIP
+    no_clip: tuple[str, ...] = ()
     pattern: str = ".*"
     role: str = "matmul"
     full_range: bool = True
@@ -229,12 +230,13 @@ class AWQ:
                     h_of[u.path] = h_of[u.path] / (se[:, None] * se[None, :])
             if self.clip:
                 for u in uses:
-                    if any(part in self.no_clip for part in u.path.split("/")):
+                    keep = score_columns(an, u)
+                    if keep.all() or any(part in self.no_clip for part in u.path.split("/")):
                         continue
                     spec = concrete_spec(self.spec(), an, u.path, u.shape)
-                    w2 = search_clip(weight_matrix(p[u.path], u), h_of[u.path], u, spec,
-                                     max_shrink=self.max_shrink, clip_grid=self.clip_grid)
-                    p[u.path] = from_weight_matrix(w2, u, p[u.path])
+                    w = weight_matrix(p[u.path], u)
+                    w2 = search_clip(w, h_of[u.path], u, spec, max_shrink=self.max_shrink, clip_grid=self.clip_grid)
+                    p[u.path] = from_weight_matrix(jnp.where(jnp.asarray(keep)[None, :], w, w2), u, p[u.path])
             return p
 
         out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)

@@ -47,9 +47,9 @@ from eqjax.calibration.statistics import xtx
 from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
 from eqjax.core.errors import InputError
 from eqjax.core.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
-from eqjax.core.qarray import QArray, QArrayError, per_channel, per_group
+from eqjax.core.qarray import QArray, QArrayError, describe_granularity, per_channel, per_group
 from eqjax.distributed.mesh import put
-from eqjax.methods.grid import grids_to_param, group_ids, place_grid, search_grid
+from eqjax.methods.grid import gran_group_ids, grids_to_param, group_ids, place_grid, search_grid
 from eqjax.methods.rtn import concrete_spec, step_targets, unused_rule_error, weight_step_spec
 from eqjax.recipes.rules import Rule, assign, rule_from_dict
 from eqjax.recipes.schema import step_kwargs
@@ -338,7 +338,7 @@ class GPTQ:
     block by block, each block calibrated on the outputs of the already-quantized blocks.
 
     Weights of any rank: the canonical ``[K, N]`` matrix (contracted axes flattened, groups along the
-    last contracted axis) is quantized and written back in the param's layout. With
+    flattened contraction: :func:`eqjax.core.roles.input_group_axes`) is quantized and written back in the param's layout. With
     ``true_sequential`` the input groups of a block (q/k/v, o, gate/up, down) are quantized one after
     another, each calibrated with the earlier groups already quantized. The first ``sink_tokens``
     positions of every calibration window get ``sink_weight`` in the Hessian (see
@@ -466,7 +466,8 @@ class GPTQ:
             bits, sym = specs[path].bits, specs[path].symmetric
             out[path] = _quantize_with(jnp.asarray(out[path], jnp.float32), scale, zp, bits=bits, granularity=gran)
             out[path] = dataclasses.replace(out[path], dtype=jnp.dtype(params[path].dtype))
-            ctx.report.append((path, f"{self.name}: int{bits} {'sym' if sym else 'asym'} {gran}"))
+            ctx.report.append((path, f"{self.name}: int{bits} {'sym' if sym else 'asym'} "
+                                      f"{describe_granularity(gran, tuple(params[path].shape))}"))
         return out
 
     def _one(self, w: Any, u: WeightUse, h: np.ndarray, an: Any, grids: dict, mesh: Any, spec: QuantSpec) -> Any:
@@ -477,7 +478,7 @@ class GPTQ:
         if gran.kind == "tensor":
             raise InputError(f"{self.name}: {u.path}: GPTQ needs per-channel or group scales, not per-tensor")
         dims = tuple(u.shape[a] for a in u.contracting)
-        gid, ng = group_ids(dims, gran.group_size if gran.kind == "group" else None)
+        gid, ng = gran_group_ids(dims, gran)
         Q2, scale, zp = gptq_matrix(
             weight_matrix(w, u), h, gid, ng, bits=spec.bits, symmetric=spec.symmetric, act_order=self.act_order,
             static_groups=self.static_groups, percdamp=self.percdamp, blocksize=self.blocksize,

@@ -47,28 +47,37 @@ from eqjax.calibration.statistics import xtx
 from eqjax.core.analysis import WeightUse, weight_matrix
 from eqjax.core.errors import InputError
 from eqjax.core.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds, symmetric_divisor
-from eqjax.core.qarray import scale_shape
+from eqjax.core.qarray import describe_granularity, scale_shape
 from eqjax.methods.rtn import concrete_spec, step_targets, weight_step_spec
 from eqjax.recipes.rules import Rule
 from eqjax.recipes.schema import step_kwargs
 
-__all__ = ["search_grid", "grid_blocks", "weighted_error", "SearchedRTN", "Weighting", "group_ids", "grids_to_param",
+__all__ = ["search_grid", "grid_blocks", "weighted_error", "SearchedRTN", "Weighting", "group_ids", "gran_group_ids", "grids_to_param",
            "place_grid"]
 
 Weighting = Literal["hessian", "diagonal", "none"]
 
 
-def group_ids(contract_dims: tuple[int, ...], group_size: int | None) -> tuple[np.ndarray, int]:
-    """Group id of each canonical input (contracted axes flattened in order, groups along the last,
-    a short last group per outer index when the group does not divide it) and the number of groups."""
+def group_ids(contract_dims: tuple[int, ...], group_size: int | None, span: int = 1) -> tuple[np.ndarray, int]:
+    """Group id of each canonical input (contracted axes flattened in order) and the number of groups:
+    groups run along the flattened last ``span`` contracted axes (the granularity's group axes,
+    :func:`eqjax.core.roles.input_group_axes`), with a short last group per outer index when the group
+    does not divide their product."""
     k = int(np.prod(contract_dims, dtype=np.int64))
     if group_size is None:
         return np.zeros((k,), np.int32), 1
-    dg = contract_dims[-1]
+    dg = int(np.prod(contract_dims[len(contract_dims) - span:], dtype=np.int64))
     g = min(int(group_size), dg)
     ng = -(-dg // g)
     idx = np.arange(k)
     return ((idx // dg) * ng + (idx % dg) // g).astype(np.int32), (k // dg) * ng
+
+
+def gran_group_ids(contract_dims: tuple[int, ...], gran: Any) -> tuple[np.ndarray, int]:
+    """:func:`group_ids` for a concrete granularity (groups along its axes, else one per output)."""
+    if gran.kind != "group":
+        return group_ids(contract_dims, None)
+    return group_ids(contract_dims, gran.group_size, len(gran.axes))
 
 
 def grid_blocks(gid: np.ndarray, n_groups: int) -> np.ndarray:
@@ -304,8 +313,7 @@ class SearchedRTN:
             for u in uses:
                 spec = concrete_spec(self.spec(), an, u.path, u.shape)
                 gran = spec.granularity
-                gid, ng = group_ids(tuple(u.shape[a] for a in u.contracting),
-                                    gran.group_size if gran.kind == "group" else None)
+                gid, ng = gran_group_ids(tuple(u.shape[a] for a in u.contracting), gran)
                 s, z, _ = search_grid(weight_matrix(p[u.path], u), stats[u.path]["xtx"], gid, ng, bits=self.bits,
                                       symmetric=self.symmetric, full_range=spec.full_range,
                                       scale_dtype=spec.scale_dtype, **self.search_kwargs())
@@ -333,7 +341,9 @@ def grids_to_param(scale: jax.Array, use: WeightUse, gran: Any) -> jax.Array:
     order = use.contracting + use.free
     rest = [a for a in range(len(shape)) if a not in order]
     if gran.kind == "group":
-        dims = [shape[a] for a in use.contracting[:-1]] + [-(-shape[gran.axes[0]] // gran.group_size)]
+        span = len(gran.axes)
+        n = -(-int(np.prod([shape[a] for a in gran.axes], dtype=np.int64)) // gran.group_size)
+        dims = [shape[a] for a in use.contracting[:-span]] + [1] * (span - 1) + [n]
     else:
         dims = [1] * len(use.contracting)
     t = scale.reshape(dims + [shape[a] for a in use.free] + [1] * len(rest))
@@ -362,14 +372,15 @@ def finish_grids(out: dict[str, Any], params: Mapping[str, Any], grids: Mapping[
     for path, (gran, scale, zp) in grids.items():
         q = _quantize_with(jnp.asarray(out[path], jnp.float32), scale, zp, bits=bits, granularity=gran)
         out[path] = dataclasses.replace(q, dtype=jnp.dtype(params[path].dtype))
-        ctx.report.append((path, f"{step}: int{bits} {'sym' if symmetric else 'asym'} {gran}{what}"))
+        ctx.report.append((path, f"{step}: int{bits} {'sym' if symmetric else 'asym'} "
+                                  f"{describe_granularity(gran, tuple(params[path].shape))}{what}"))
     return out
 
 
 def grid_of_use(w: Any, u: WeightUse, h: Any, spec: QuantSpec, **kw: Any) -> tuple[jax.Array, jax.Array | None]:
     """Searched ``(scale, zero point)`` of one use's canonical matrix, in canonical ``[n_groups, N]``."""
     gran = spec.granularity
-    gid, ng = group_ids(tuple(u.shape[a] for a in u.contracting), gran.group_size if gran.kind == "group" else None)
+    gid, ng = gran_group_ids(tuple(u.shape[a] for a in u.contracting), gran)
     s, z, _ = search_grid(weight_matrix(w, u), h, gid, ng, bits=spec.bits, symmetric=spec.symmetric,
                           full_range=spec.full_range, scale_dtype=spec.scale_dtype, **kw)
     return s, z

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from eqjax.core.errors import InputError
 from eqjax.core.numerics import QuantSpec, quantize
-from eqjax.core.qarray import ActQuantKernel, is_quantized, per_input_group, per_output_channel, per_tensor
+from eqjax.core.qarray import ActQuantKernel, describe_granularity, is_quantized, per_input_group, per_output_channel, per_tensor
 from eqjax.core.roles import check_quantizable, resolve_granularity, weight_layout
 from eqjax.recipes.rules import Rule, assign, rule_from_dict
 
@@ -133,7 +133,8 @@ def quantize_by_rules(params: Mapping[str, Any], rules: tuple[Rule, ...], ctx: A
             q = ActQuantKernel(q, None, rule.act_bits, rule.act_granularity)
         out[path] = q
         if ctx is not None and report:
-            ctx.report.append((path, f"{step}: int{spec.bits} {'sym' if spec.symmetric else 'asym'} {spec.granularity}"
+            ctx.report.append((path, f"{step}: int{spec.bits} {'sym' if spec.symmetric else 'asym'} "
+                               f"{describe_granularity(spec.granularity, tuple(leaf.shape))}"
                                + (f" + A{rule.act_bits}" if rule.act_bits else "")))
     return out
 

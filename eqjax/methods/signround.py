@@ -56,7 +56,7 @@ from eqjax.core.numerics import (
     range_to_qparams,
     round_ste,
 )
-from eqjax.core.qarray import is_quantized
+from eqjax.core.qarray import describe_granularity, is_quantized
 from eqjax.methods.grid import grid_of_use, grids_to_param, place_grid
 from eqjax.methods.rtn import concrete_spec, step_targets, weight_step_spec
 from eqjax.recipes.rules import Rule
@@ -189,7 +189,7 @@ class SignRound:
             if is_quantized(out[path]):
                 q = out[path]
                 ctx.report.append((path, f"{self.name}: int{q.bits} {'sym' if q.symmetric else 'asym'} "
-                                         f"{q.granularity}, learned rounding"))
+                                         f"{describe_granularity(q.granularity, q.shape)}, learned rounding"))
         return out
 
     def _initial_grids(self, bc: Any, p: dict[str, Any], weights: tuple[str, ...], specs: Mapping[str, QuantSpec],

@@ -8,6 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from eqjax.core.errors import InputError, RecipeError
 from eqjax.core.pytree import flatten
 from eqjax.core.qarray import is_quantized
@@ -128,9 +130,10 @@ def check_recipe_fits(recipe: Any, params: Any) -> list[str]:
                 if path not in leaves or g is None or getattr(g, "kind", None) != "group" or not getattr(g, "axes", None):
                     continue
                 shape = tuple(leaves[path].shape)
-                ax = g.axes[0] + len(shape) if g.axes[0] < 0 else g.axes[0]
-                if 0 <= ax < len(shape):
-                    groups.setdefault(f"rule {rule.pattern!r}", (g.group_size, []))[1].append(shape[ax])
+                axes = [a + len(shape) if a < 0 else a for a in g.axes]
+                if all(0 <= a < len(shape) for a in axes):
+                    span = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+                    groups.setdefault(f"rule {rule.pattern!r}", (g.group_size, []))[1].append(span)
         else:
             gs = getattr(step, "group_size", None)
             if _is_int(gs) and gs > 0:

@@ -402,3 +402,16 @@ def test_quantized_model_logits_pallas_interpret_equal_xla():
         got = np.asarray(run()(q, tokens))
     assert jaxpr.count("pallas_call") >= n_quantized - 1  # a tied / non-plain head may take XLA
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [128, 64, 48])
+def test_w8a8_groups_along_flattened_input_axes_equal_the_matrix(group):
+    """A weight ``[3, 64, 20]`` contracted over its first two axes, grouped along their flattened 192
+    inputs: the integer path gives exactly what the ``[192, 20]`` matrix with groups along axis 0 gives."""
+    w = jax.random.normal(jax.random.key(0), (3, 64, 20))
+    x2 = jax.random.normal(jax.random.key(1), (5, 192)) * 4.0
+    axes = (1,) if 64 % group == 0 else (0, 1)
+    k3 = ActQuantKernel(quantize(w, QuantSpec(8, True, per_group(axes, group))), None, 8, "token")
+    k2 = ActQuantKernel(quantize(w.reshape(192, 20), QuantSpec(8, True, per_group(0, group))), None, 8, "token")
+    np.testing.assert_array_equal(np.asarray(act_quant_matmul(x2, k3, (0, 1), (2,))),
+                                  np.asarray(act_quant_matmul(x2, k2, (0,), (1,))))

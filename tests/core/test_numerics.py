@@ -483,3 +483,29 @@ def test_qarray_repr_after_a_tree_map_to_non_arrays():
     q = quantize(w, QuantSpec(8, True, per_channel(1), "absmax"))
     text = repr(jax.tree.map(lambda a: a.shape, q))
     assert "values=(64, 8)" in text and "int8" in text
+
+
+# --- groups along several axes (a weight contracted over [heads, head_dim]) ---------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(lead=st.sampled_from([(3, 4), (2, 6), (5, 8)]), group=st.sampled_from([2, 5, 8, 12, 64]),
+       bits=st.sampled_from([2, 3, 4, 8]), symmetric=st.booleans(), seed=st.integers(0, 2**16))
+def test_multi_axis_groups_equal_groups_of_the_flattened_axes(lead, group, bits, symmetric, seed):
+    """Groups along the flattened axes 0-1 of ``[a, b, n]`` are those of the ``[a * b, n]`` matrix: the same
+    codes, scales and dequantized values (the oracle is the single-axis layout, checked elsewhere)."""
+    x = jax.random.normal(jax.random.key(seed), lead + (3,)) * 3.0
+    q3 = validate(quantize(x, QuantSpec(bits, symmetric, per_group((0, 1), group), "minmax")))
+    q2 = quantize(x.reshape(-1, 3), QuantSpec(bits, symmetric, per_group(0, group), "minmax"))
+    n = -(-lead[0] * lead[1] // group)
+    assert q3.scale.shape == (1, n, 3) and q3.pack_axis == 1
+    np.testing.assert_array_equal(np.asarray(q3.scale).reshape(n, 3), np.asarray(q2.scale))
+    np.testing.assert_array_equal(np.asarray(codes(q3)).reshape(-1, 3), np.asarray(codes(q2)))
+    np.testing.assert_array_equal(np.asarray(dequantize(q3)).reshape(-1, 3), np.asarray(dequantize(q2)))
+    np.testing.assert_array_equal(np.asarray(expand_scale(q3)).reshape(-1, 3), np.asarray(expand_scale(q2)))
+
+
+def test_multi_axis_groups_need_consecutive_axes():
+    with pytest.raises(QArrayError, match="consecutive ascending axes"):
+        quantize(jnp.ones((2, 3, 4)), QuantSpec(4, False, per_group((0, 2), 4), "minmax"))
+    assert str(per_group((1, 2), 128)) == "group128@axes1-2" and str(per_group(1, 128)) == "group128@axis1"

@@ -64,3 +64,33 @@ def test_transposed_weight_product_lowers_to_gemm(tmp_path, rank):
         x = np.asarray(jax.random.normal(jax.random.key(len(shape) + shape[0]), shape))
         want = np.einsum("...k,nk->...n", x.astype(np.float64), np.asarray(E, np.float64))
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=0, atol=1e-5)
+
+
+def test_einsum_layout_model_with_flattened_groups_exports(tmp_path):
+    """An einsum linen model (examples/layout_models.py: fused kv, an ``[N, H, D]`` attention output grouped
+    along its flattened 192 inputs) quantized with ``w4g128-rtn`` exports through its own ``apply``; the
+    graph stores 4-bit blocks and gives the quantized model's logits."""
+    import sys
+    from pathlib import Path
+
+    import onnx
+
+    from eqjax.export.onnx import export_function, make_session
+    from eqjax.models import LlamaConfig, Model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import layout_models as lm
+
+    cfg = LlamaConfig(vocab=96, hidden=192, intermediate=256, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=64,
+                      tie_word_embeddings=True)
+    mod, variables = lm.einsum_linen_from_llama(cfg, Model(cfg).init_params(jax.random.key(0), std=0.1))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 16)), jnp.int32)
+    qmod, qparams = eqjax.quantize_model(mod, "w4g128-rtn", params=variables, calibration=[(ids,)])
+    want = np.asarray(qmod.apply({"params": qparams}, ids))
+    path = export_function(lambda p, t: mod.apply({"params": p}, t), qparams, (jax.ShapeDtypeStruct((2, 16), jnp.int32),),
+                           tmp_path / "lm", input_names=["ids"])
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMulNBits") >= 4, sorted(set(ops))
+    got = make_session(path).run(None, {"ids": np.asarray(ids)})[0]
+    # float32 sums over at most 256 inputs, in another order than XLA's: a few ulps of the largest logit
+    np.testing.assert_allclose(got, want, rtol=0, atol=256 * np.finfo(np.float32).eps * np.abs(want).max())

@@ -443,8 +443,7 @@ def page_layouts() -> str:
     m = d["meta"]
     layouts = ["eqjax Llama", "gemma-style NNX", "einsum linen"]
     body = [f"# One recipe, three layouts of the same weights\n\n{GENERATED}\n",
-            "```bash\npython bench/layouts.py\npython bench/layouts.py --order-check w4g128-gptq --merge\n"
-            "python bench/layouts.py --order-check w8a8-smoothquant --merge\n```\n",
+            "```bash\npython bench/layouts.py\npython bench/layouts.py --order-check w4g128-gptq --merge\n```\n",
             "SmolLM2-135M's weights in eqjax's own Llama (`eqjax.quantize`), in a gemma-style NNX model (fused kv "
             "`[2, K, D, H]` and gate/up `[2, F, D]` einsum weights, an attention output `[N, H, D]` contracted over two "
             "axes, no `kernel` names) and in an einsum linen model (`DenseGeneral` / `Einsum`, kv fused on a leading "

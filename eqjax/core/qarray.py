@@ -100,7 +100,7 @@ class Granularity:
     ``tensor`` / ``channel`` / ``group`` name concrete axes of an array. ``output`` (one scale per
     output channel) and ``input_group`` (groups of ``group_size`` along the input) are *role-relative*:
     they name no axes and are resolved against how the model uses the weight
-    (:func:`eqjax.core.roles.resolve_granularity`: a matmul's free axes / its last contracted axis)
+    (:func:`eqjax.core.roles.resolve_granularity`: a matmul's free axes / its flattened contracted axes)
     before anything is quantized; a QArray always holds a concrete granularity.
     """
 
@@ -182,7 +182,7 @@ def per_output_channel() -> Granularity:
 
 
 def per_input_group(size: int) -> Granularity:
-    """Groups of ``size`` along a matmul weight's input (its last contracted axis), whatever its layout."""
+    """Groups of ``size`` along a matmul weight's input (its contracted axes, flattened), whatever its layout."""
     return Granularity("input_group", (), int(size))
 
 

@@ -55,8 +55,12 @@ def _step(leaf) -> np.ndarray:
     return np.asarray(expand_scale(q))
 
 
-@pytest.mark.parametrize("recipe", ["w4g128-rtn", "w4g128-gptq", "w4g128-awq", "w8a8-smoothquant"])
-@pytest.mark.parametrize("style", ["gemma", "linen"])
+# Each method on the layout that exercises it most: GPTQ's Hessian on the [N, H, D] output grouped across heads
+# (gemma), SmoothQuant's smoothing of gate/up fused on the output axis (linen), AWQ's per-column clip on a
+# fused kv in both, RTN in both.
+@pytest.mark.parametrize("style, recipe", [("gemma", "w4g128-rtn"), ("linen", "w4g128-rtn"), ("gemma", "w4g128-gptq"),
+                                           ("gemma", "w4g128-awq"), ("linen", "w4g128-awq"),
+                                           ("linen", "w8a8-smoothquant")])
 def test_same_quantization_in_every_layout(own, style, recipe):
     model, params = own
     ref_q = dict(flatten(eqjax.quantize(params, recipe, model=model, calibration=CALIB)))

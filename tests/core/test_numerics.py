@@ -488,8 +488,8 @@ def test_qarray_repr_after_a_tree_map_to_non_arrays():
 # --- groups along several axes (a weight contracted over [heads, head_dim]) ---------------------------
 
 
-@settings(max_examples=25, deadline=None)
-@given(lead=st.sampled_from([(3, 4), (2, 6), (5, 8)]), group=st.sampled_from([2, 5, 8, 12, 64]),
+@settings(max_examples=12, deadline=None)
+@given(lead=st.sampled_from([(3, 4), (5, 8)]), group=st.sampled_from([2, 5, 8, 12, 64]),
        bits=st.sampled_from([2, 3, 4, 8]), symmetric=st.booleans(), seed=st.integers(0, 2**16))
 def test_multi_axis_groups_equal_groups_of_the_flattened_axes(lead, group, bits, symmetric, seed):
     """Groups along the flattened axes 0-1 of ``[a, b, n]`` are those of the ``[a * b, n]`` matrix: the same

@@ -126,21 +126,19 @@ def test_unrepresentable_params_are_refused_before_writing(source, tmp_path, rec
 
 @pytest.mark.slow
 def test_smollm2_gptq_gguf_has_eqjaxs_perplexity(tmp_path):
-    """SmolLM2 through the CLI: GPTQ W4 g128 (Q4_1 blocks) + the table int8 (Q8_0); the file read back by
-    eqjax's GGUF loader has eqjax's own perplexity (m and the table's row scales rounded to float16)."""
-    from eqjax.cli.main import main
+    """SmolLM2: GPTQ W4 g128 (Q4_1 blocks) + the table int8 (Q8_0); the file read back by eqjax's GGUF
+    loader has eqjax's own perplexity (m and the table's row scales rounded to float16)."""
     from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import default_model_path
 
     out = tmp_path / "smollm2-w4.gguf"
-    assert main(["export-gguf", "--recipe", "w4g128-gptq+emb-int8", "--out", str(out), "--calib-windows", "4",
-                 "--calib-len", "256"]) == 0
     cfg, params, tok = load_gguf(default_model_path())
     model = Model(cfg)
     cal_ids, eval_ids = wikipedia_tokens(tok)
     q = quantize(params, get_recipe("w4g128-gptq+emb-int8"), model=model,
                  calibration=calibration_windows(cal_ids, 4, 256, 0), seed=0)
+    export_gguf(q, out, source=default_model_path())
     windows = token_windows(eval_ids, 256, 2)
     _, back, tok2 = load_gguf(out)
     assert tok2.encode("The capital of France") == tok.encode("The capital of France")
@@ -148,6 +146,18 @@ def test_smollm2_gptq_gguf_has_eqjaxs_perplexity(tmp_path):
     assert abs(theirs / ours - 1) < 2e-3, (ours, theirs)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     assert types["blk.3.ffn_down.weight"] == "Q4_1" and types["token_embd.weight"] == "Q8_0"
+
+
+def test_cli_calibrated_export_takes_the_calibration_flags(source, tmp_path, capsys):
+    """``export-gguf`` with a calibrated recipe quantizes on ``--calib-windows`` windows of ``--calib-len``
+    tokens and writes Q4_1 blocks (asymmetric GPTQ)."""
+    from eqjax.cli.main import main
+
+    out = tmp_path / "g.gguf"
+    assert main(["export-gguf", "--model", str(source), "--recipe", "w4g128-gptq", "--out", str(out),
+                 "--calib-windows", "2", "--calib-len", "32"]) == 0
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q4_1"
 
 
 @pytest.mark.parametrize("argv, match", [

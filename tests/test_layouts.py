@@ -79,7 +79,7 @@ def test_same_quantization_in_every_layout(own, style, recipe):
         off = np.abs(have - want) > 4 * EPS * np.abs(want).max()
         assert recipe == "w4g128-gptq" or np.all(np.abs(have - want)[off] <= step[off] * (1 + 1e-3)), own_path
         assert off.mean() <= 0.01, (own_path, off.mean())
-    assert tree_nbytes({p: v for p, v in got.items()}) == tree_nbytes(ref_q)
+    assert tree_nbytes(got) == tree_nbytes(ref_q)
     if style == "gemma" and recipe == "w4g128-rtn":
         assert ("layers/0/attn/attn_vec_einsum/w", "rtn: int4 asym group128@axes0-1") in report
         assert ("layers/0/attn/kv_einsum/w", "rtn: int4 asym group128@axis2") in report

@@ -190,7 +190,7 @@ def run_gptq(args: argparse.Namespace) -> None:
     for config in args.configs.split(","):
         processes, devices = (int(v) for v in config.split("x"))
         load0, t0 = os.getloadavg()[0], time.perf_counter()
-        r = launch("gptq", processes, devices, ["--calib-windows", str(args.calib_windows), "--calib-ctx",
+        r = launch("gptq", processes, devices, ["--calib-windows", str(args.calib_windows), "--calib-len",
                                                 str(args.calib_ctx), "--recipe", args.recipe], args.kill_after)
         r.update(config=_config_name(processes, devices), process_s=time.perf_counter() - t0, load_start=load0,
                  load_end=os.getloadavg()[0])
@@ -315,7 +315,7 @@ def main() -> None:
     ap.add_argument("--statistics", action="store_true", help="the statistics-step table instead of SmolLM2 GPTQ")
     ap.add_argument("--reps", type=int, default=5, help="--statistics: timed repetitions")
     ap.add_argument("--calib-windows", type=int, default=8)
-    ap.add_argument("--calib-ctx", type=int, default=512)
+    ap.add_argument("--calib-len", "--calib-ctx", dest="calib_ctx", type=int, default=512)
     ap.add_argument("--recipe", default="w4g128-gptq")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="processes x devices, e.g. 1x1,1x2,2x1")
     ap.add_argument("--kill-after", type=int, default=3600)

@@ -18,7 +18,7 @@ GPT-2 rows: no GPT-2 checkpoint can be had offline; ``FlaxGPT2LMHeadModel`` and 
 one random initialization (so the perplexity is near the vocabulary size: only the agreement means
 something).
 
-Usage: python bench/flax_models.py [--eval-windows 4] [--ctx 1024] [--calib-windows 16] [--only a,b]
+Usage: python bench/flax_models.py [--eval-windows 4] [--eval-len 1024] [--calib-windows 16] [--only a,b]
        [--skip-smollm2] [--skip-gpt2] [--merge] [--order-check gptq-recipe,...]
 
 ``--order-check R`` quantizes eqjax's own model with recipe ``R`` twice, the second time with the same
@@ -111,9 +111,9 @@ def run_pair(name, model, params, hf_model, hf_params, recipe, windows, calib, *
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--eval-windows", type=int, default=4)
-    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--eval-len", "--ctx", dest="ctx", type=int, default=1024)
     ap.add_argument("--calib-windows", type=int, default=16)
-    ap.add_argument("--calib-ctx", type=int, default=512)
+    ap.add_argument("--calib-len", "--calib-ctx", dest="calib_ctx", type=int, default=512)
     ap.add_argument("--only", default=None)
     ap.add_argument("--skip-gpt2", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")

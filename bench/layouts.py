@@ -17,7 +17,7 @@ order only); its rows are the yardstick for the layouts' differences. (SmoothQua
 maxima, which no order changes: its layout differences come from activations that differ in the last
 bits, through smoothing factors and codes that round the other way.)
 
-Usage: python bench/layouts.py [--eval-windows 4] [--ctx 1024] [--calib-windows 16] [--calib-ctx 512]
+Usage: python bench/layouts.py [--eval-windows 4] [--eval-len 1024] [--calib-windows 16] [--calib-len 512]
        [--only r1,r2] [--order-check R] [--merge]
 """
 
@@ -113,9 +113,9 @@ def table(rows: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eval-windows", type=int, default=4)
-    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--eval-len", "--ctx", dest="ctx", type=int, default=1024)
     ap.add_argument("--calib-windows", type=int, default=16)
-    ap.add_argument("--calib-ctx", type=int, default=512)
+    ap.add_argument("--calib-len", "--calib-ctx", dest="calib_ctx", type=int, default=512)
     ap.add_argument("--only", default=None, help="comma-separated recipes (default: all)")
     ap.add_argument("--order-check", default=None, metavar="R",
                     help="only eqjax's own model with recipe R on reordered calibration windows")

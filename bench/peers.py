@@ -280,8 +280,8 @@ def run_eqjax(recipe: str, threads: int | None = None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "row.json"
         cmd = [sys.executable, "-m", "eqjax.cli", "eval", "--recipe", recipe, "--eval-tokens",
-               str(EVAL_WINDOWS * EVAL_CTX), "--ctx", str(EVAL_CTX), "--calib-windows", str(CALIB_WINDOWS),
-               "--calib-ctx", str(CALIB_CTX), "--json", str(out)]
+               str(EVAL_WINDOWS * EVAL_CTX), "--eval-len", str(EVAL_CTX), "--calib-windows", str(CALIB_WINDOWS),
+               "--calib-len", str(CALIB_CTX), "--json", str(out)]
         t0 = time.perf_counter()
         la0 = os.getloadavg()
         env = dict(os.environ)

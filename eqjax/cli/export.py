@@ -7,6 +7,7 @@ import pathlib
 import sys
 from typing import Any
 
+from eqjax.cli.flags import add_calibration_args
 from eqjax.core.errors import CompatibilityError
 from eqjax.data import calibration_windows, wikipedia_tokens
 from eqjax.export.graph import ExportError
@@ -36,8 +37,7 @@ def add_export_args(p: Any) -> Any:
                         "(7-bit rows; a tied head's activations int8 per token); 'recipe' keeps what the recipe does")
     p.add_argument("--context-length", type=int, default=None, help="max sequence length (default: the model's)")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime vs eqjax logits check")
-    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes")
-    p.add_argument("--calib-len", type=int, default=256)
+    add_calibration_args(p)
     return p
 
 
@@ -104,8 +104,7 @@ def add_gguf_args(p: Any) -> Any:
     p.add_argument("--out", required=True, help="output .gguf file")
     p.add_argument("--model", default=None, help="source GGUF file (default: the bundled SmolLM2-135M); its "
                    "metadata and tokenizer are copied")
-    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes")
-    p.add_argument("--calib-len", type=int, default=512)
+    add_calibration_args(p)
     return p
 
 

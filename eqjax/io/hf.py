@@ -39,7 +39,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,8 @@ from eqjax.models import Model
 from eqjax.models.config import ConfigError, GPT2Config, ModelConfig
 from eqjax.models.hf_config import from_hf_config, to_hf_config
 
-__all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "hf_name"]
+__all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "hf_name", "hf_layout", "HFTensor",
+           "read_checkpoint", "assemble_params", "float_tensors", "write_safetensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _PHI3_PAD = 32000  # transformers' Phi3Config default pad_token_id
@@ -97,7 +98,7 @@ def hf_name(config: ModelConfig, path: Path_) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tensor:
+class HFTensor:
     """One HF tensor and the tree params it holds.
 
     ``paths``/``shapes``: the params, concatenated along the tree's last axis (several only for fused
@@ -113,7 +114,7 @@ class _Tensor:
     offset: float
 
 
-def _layout(config: ModelConfig) -> list[_Tensor]:
+def hf_layout(config: ModelConfig) -> list[HFTensor]:
     """Every HF tensor the config implies (param-tree order; fused parts in the HF row order)."""
     shapes = Model(config).param_shapes()
     leaves = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
@@ -130,7 +131,7 @@ def _layout(config: ModelConfig) -> list[_Tensor]:
         transposed = paths[0][-1] == "kernel" and not isinstance(config, GPT2Config)
         offset = 1.0 if gemma and paths[0][-1] == "scale" else 0.0
         hf_shape = tuple(reversed(tree_shape)) if transposed else tree_shape
-        out.append(_Tensor(name, hf_shape, paths, pshapes, transposed, offset))
+        out.append(HFTensor(name, hf_shape, paths, pshapes, transposed, offset))
     return out
 
 
@@ -332,19 +333,10 @@ def _set(tree: dict[str, Any], path: Path_, value: Any) -> None:
     tree[path[-1]] = value
 
 
-def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
-    """Load a Hugging Face checkpoint directory as ``(Model, params)``.
-
-    Args:
-      directory: holds ``config.json`` and ``*.safetensors`` (single file, several files, or shards
-        listed in ``model.safetensors.index.json``).
-      dtype: param dtype (default float32); None keeps the stored dtype.
-
-    Raises:
-      CheckpointError: missing directory/config/shard, corrupt file, pickle-only checkpoint,
-        unsupported architecture, a tensor whose shape disagrees with the config, missing or
-        unexpected tensors.
-    """
+def read_checkpoint(directory: str | os.PathLike[str]
+                    ) -> tuple[ModelConfig, dict[str, Any], dict[str, np.ndarray], dict[str, Path]]:
+    """``(config, config.json as read, tensors by HF name, tensor name -> file)`` of an HF directory, every
+    file and index entry checked (see :func:`load_hf_checkpoint`); tensors keep their stored dtype."""
     root = Path(directory)
     if root.is_file() and root.suffix in PICKLE_SUFFIXES:
         raise CheckpointError(
@@ -353,7 +345,7 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
         )
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
-    config, _ = _read_config(root)
+    config, raw = _read_config(root)
     files, index_map = _weight_files(root)
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, Path] = {}
@@ -373,10 +365,28 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
         prefixed = lambda n: n if n.startswith(("transformer.", "lm_head.")) else f"transformer.{n}"  # noqa: E731
         tensors = {prefixed(n): a for n, a in tensors.items()}
         origin = {prefixed(n): f for n, f in origin.items()}
+    return config, raw, tensors, origin
 
+
+Taker = Callable[["HFTensor"], "tuple[list[Any], set[str]] | None"]
+"""Decodes one HF tensor itself: ``(the tree params it holds, in the tensor's part order; the stored names
+it consumed)``, or None to read it as a float tensor."""
+
+
+def assemble_params(config: ModelConfig, tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path], root: Path,
+                    *, dtype: Any = jnp.float32, take: Taker | None = None) -> dict[str, Any]:
+    """The param tree of ``config`` from HF ``tensors`` (float, transposed and split as the layout says);
+    ``take`` decodes the tensors it recognises itself (quantized formats). Every tensor must be used."""
     params: dict[str, Any] = {}
     used: set[str] = set()
-    for t in _layout(config):
+    for t in hf_layout(config):
+        taken = take(t) if take is not None else None
+        if taken is not None:
+            parts, names = taken
+            used |= names
+            for path, part in zip(t.paths, parts):
+                _set(params, path, part)
+            continue
         name = t.name
         if name not in tensors:
             raise CheckpointError(f"{root}: tensor {name} is missing (needed for {'/'.join(t.paths[0])})")
@@ -401,7 +411,30 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
     if leftover:
         shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
         raise CheckpointError(f"{root}: {len(leftover)} unexpected tensor(s) the config does not account for: {shown}")
-    return Model(config), params
+    return params
+
+
+def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
+    """Load a Hugging Face float checkpoint directory as ``(Model, params)``.
+
+    Args:
+      directory: holds ``config.json`` and ``*.safetensors`` (single file, several files, or shards
+        listed in ``model.safetensors.index.json``).
+      dtype: param dtype (default float32); None keeps the stored dtype.
+
+    Raises:
+      CheckpointError: missing directory/config/shard, corrupt file, pickle-only checkpoint,
+        unsupported architecture, a tensor whose shape disagrees with the config, missing or
+        unexpected tensors, a quantized checkpoint (``quantization_config``: read those with
+        :func:`eqjax.io.load.load_model`).
+    """
+    config, raw, tensors, origin = read_checkpoint(directory)
+    qc = raw.get("quantization_config")
+    if isinstance(qc, dict):
+        raise CheckpointError(f"quantized checkpoint ({Path(directory) / 'config.json'}: quantization_config, "
+                              f"quant_method {qc.get('quant_method')!r}): expected float weights here; load it with "
+                              "eqjax.io.load_model (or 'eqjax eval --checkpoint')")
+    return Model(config), assemble_params(config, tensors, origin, Path(directory), dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -420,6 +453,66 @@ def _get(tree: Mapping[str, Any], path: Path_) -> Any:
     return tree
 
 
+Writer = Callable[[HFTensor, list[Any], str], "dict[str, np.ndarray] | None"]
+"""Encodes one HF tensor itself from its tree params (in part order) and the file dtype: ``{stored name:
+array}``, or None to write it as a float tensor."""
+
+FILE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def cast_float(value: np.ndarray, dtype: str) -> np.ndarray:
+    """``value`` as the float file dtype ``dtype`` (one of :data:`FILE_DTYPES`), C-contiguous."""
+    import ml_dtypes
+
+    target = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    return np.ascontiguousarray(np.asarray(value, np.float32).astype(target))
+
+
+def float_tensors(config: ModelConfig, params: Mapping[str, Any], dtype: str = "float32", *,
+                  write: Writer | None = None) -> dict[str, np.ndarray]:
+    """``{HF name: array}`` for every tensor of ``config``'s layout: float (quantized leaves dequantized,
+    rotations folded in) unless ``write`` encodes the tensor itself."""
+    if dtype not in FILE_DTYPES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    out: dict[str, np.ndarray] = {}
+    for t in hf_layout(config):
+        leaves = []
+        for path, shape in zip(t.paths, t.shapes):
+            try:
+                leaf = _get(params, path)
+            except KeyError:
+                raise CheckpointError(f"params have no {'/'.join(path)} (needed for tensor {t.name})") from None
+            if tuple(leaf.shape) != shape:
+                raise CheckpointError(f"param {'/'.join(path)} has shape {tuple(leaf.shape)}, config implies {shape}")
+            leaves.append(leaf)
+        encoded = write(t, leaves, dtype) if write is not None else None
+        if encoded is not None:
+            out.update(encoded)
+            continue
+        values = [_to_float(x) for x in leaves]
+        value = np.concatenate(values, axis=-1) if len(values) > 1 else values[0]
+        if t.offset:
+            value = value - np.float32(t.offset)
+        out[t.name] = cast_float(value.T if t.transposed else value, dtype)
+    return out
+
+
+def untied(config: ModelConfig, params: Mapping[str, Any]) -> ModelConfig:
+    """``config``, untied where the params carry their own ``lm_head`` (a rotation unties a tied model)."""
+    if getattr(config, "tie_word_embeddings", False) and "lm_head" in params:
+        return dataclasses.replace(config, tie_word_embeddings=False)
+    return config
+
+
+def hf_config_dict(config: ModelConfig, dtype: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """config.json's object for ``config`` with ``dtype`` and the ``extra`` keys."""
+    hf_cfg = {**(extra or {}), **to_hf_config(config), "dtype": dtype}
+    pad = hf_cfg.get("pad_token_id", _PHI3_PAD)
+    if getattr(config, "model_type", None) == "phi3" and pad is not None and int(pad) >= config.vocab:
+        hf_cfg["pad_token_id"] = None  # a pad id (Phi3Config's default: 32000) must index the embedding table
+    return hf_cfg
+
+
 def save_hf_checkpoint(
     directory: str | os.PathLike[str],
     model: Model,
@@ -436,53 +529,24 @@ def save_hf_checkpoint(
     ``float32``, ``float16`` or ``bfloat16``; ``extra_config`` adds keys to config.json (token ids,
     ...). Returns the directory.
     """
-    from safetensors.numpy import save_file
-
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    config = model.config
-    if getattr(config, "tie_word_embeddings", False) and "lm_head" in params:
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    out: dict[str, np.ndarray] = {}
-    for t in _layout(config):
-        name, values = t.name, []
-        for path, shape in zip(t.paths, t.shapes):
-            try:
-                value = _to_float(_get(params, path))
-            except KeyError:
-                raise CheckpointError(f"params have no {'/'.join(path)} (needed for tensor {name})") from None
-            if value.shape != shape:
-                raise CheckpointError(f"param {'/'.join(path)} has shape {value.shape}, config implies {shape}")
-            values.append(value)
-        value = np.concatenate(values, axis=-1) if len(values) > 1 else values[0]
-        if t.offset:
-            value = value - np.float32(t.offset)
-        value = value.T if t.transposed else value
-        if dtype == "bfloat16":
-            import ml_dtypes
-
-            value = value.astype(ml_dtypes.bfloat16)
-        out[name] = np.ascontiguousarray(value.astype(np.float16) if dtype == "float16" else value)
-
+    config = untied(model.config, params)
+    out = float_tensors(config, params, dtype)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    hf_cfg = {**(extra_config or {}), **to_hf_config(config), "dtype": dtype}
-    pad = hf_cfg.get("pad_token_id", _PHI3_PAD)
-    if getattr(config, "model_type", None) == "phi3" and pad is not None and int(pad) >= config.vocab:
-        hf_cfg["pad_token_id"] = None  # a pad id (Phi3Config's default: 32000) must index the embedding table
     # each file is replaced atomically (temporary file + fsync + rename); weights first, config last
     with atomic_path(root / "model.safetensors") as tmp:
-        if dtype == "bfloat16":
-            _save_raw(tmp, out)
-        else:
-            save_file(out, str(tmp), metadata={"format": "pt"})
-    write_text(root / "config.json", json.dumps(hf_cfg, indent=2, sort_keys=True))
+        write_safetensors(tmp, out)
+    write_text(root / "config.json", json.dumps(hf_config_dict(config, dtype, extra_config), indent=2, sort_keys=True))
     return root
 
 
-def _save_raw(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write a safetensors file directly (needed for bfloat16, which safetensors.numpy cannot save)."""
-    codes = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_ST_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "uint8": "U8", "int32": "I32",
+             "int64": "I64"}
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write a safetensors file directly (safetensors.numpy cannot save bfloat16); ``tensors`` in file order."""
+    codes = _ST_CODES
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, arr in tensors.items():

@@ -50,7 +50,7 @@ def test_help_lists_subcommands(capsys):
 def test_eval_json_contract(tiny, tmp_path):
     d, text = tiny
     out = tmp_path / "r.json"
-    rc = main(["eval", "--model", str(d), "--text", str(text), "--recipe", "w4g128-rtn", "--ctx", "64",
+    rc = main(["eval", "--model", str(d), "--text", str(text), "--recipe", "w4g128-rtn", "--eval-len", "64",
                "--eval-tokens", "256", "--json", str(out)])
     assert rc == 0
     row = json.loads(out.read_text())
@@ -61,7 +61,7 @@ def test_eval_json_contract(tiny, tmp_path):
 
 def test_run_writes_list_table_and_plots(tiny, tmp_path, capsys):
     d, text = tiny
-    rc = main(["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8,w8a8-naive", "--ctx", "64",
+    rc = main(["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8,w8a8-naive", "--eval-len", "64",
                "--eval-tokens", "128", "--out", str(tmp_path / "o"), "--json", str(tmp_path / "rows.json")])
     assert rc == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
@@ -89,7 +89,7 @@ def test_errors_are_clear(tiny, tmp_path, capsys):
     assert err.startswith("eqjax: error: unknown recipe 'nope'") and err.count("\n") == 1
     short = tmp_path / "short.txt"
     short.write_text("too short", encoding="utf-8")
-    assert main(["eval", "--model", str(d), "--text", str(short), "--recipe", "fp", "--ctx", "64",
+    assert main(["eval", "--model", str(d), "--text", str(short), "--recipe", "fp", "--eval-len", "64",
                  "--eval-tokens", "64"]) == 2
     err = capsys.readouterr().err
     assert "short.txt" in err and "tokens" in err and "Traceback" not in err
@@ -97,10 +97,10 @@ def test_errors_are_clear(tiny, tmp_path, capsys):
 
 def test_debug_prints_the_traceback(tiny, capsys):
     d, text = tiny
-    assert main(["--debug", "eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "0"]) == 2
+    assert main(["--debug", "eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--eval-len", "0"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("eqjax: error: bad evaluation window length")
-    assert main(["eval", "--debug", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "0"]) == 2
+    assert main(["eval", "--debug", "--model", str(d), "--text", str(text), "--recipe", "fp", "--eval-len", "0"]) == 2
     assert "Traceback" in capsys.readouterr().err
 
 
@@ -115,7 +115,7 @@ def test_runtime_failure_exits_1(tiny, tmp_path, capsys):
     save_hf_checkpoint(huge, model, jax.tree.map(lambda x: x * 1e12, model.init_params(jax.random.PRNGKey(0), std=0.05)))
     shutil.copy(d / "tokenizer.json", huge / "tokenizer.json")
     out = tmp_path / "r.json"
-    rc = main(["eval", "--model", str(huge), "--text", str(text), "--recipe", "fp", "--ctx", "64", "--eval-tokens", "64",
+    rc = main(["eval", "--model", str(huge), "--text", str(text), "--recipe", "fp", "--eval-len", "64", "--eval-tokens", "64",
                "--json", str(out)])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 1 and err.startswith("eqjax: error:") and ("overflow" in err or "non-finite" in err)
@@ -126,7 +126,7 @@ def test_overwrite_and_existing_outputs(tiny, tmp_path, capsys):
     d, text = tiny
     out = tmp_path / "r.json"
     out.write_text("old")
-    args = ["eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "64", "--eval-tokens", "64",
+    args = ["eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--eval-len", "64", "--eval-tokens", "64",
             "--json", str(out)]
     assert main(args) == 2
     assert "--overwrite" in capsys.readouterr().err and out.read_text() == "old"
@@ -137,7 +137,7 @@ def test_overwrite_and_existing_outputs(tiny, tmp_path, capsys):
 
 def test_checkpoint_eval_equals_recipe_eval(tiny, tmp_path):
     d, text = tiny
-    ev = ["eval", "--model", str(d), "--text", str(text), "--ctx", "64", "--eval-tokens", "128"]
+    ev = ["eval", "--model", str(d), "--text", str(text), "--eval-len", "64", "--eval-tokens", "128"]
     assert main(["quantize", "--model", str(d), "--recipe", "w8a8-naive", "--out", str(tmp_path / "ck")]) == 0
     assert main([*ev, "--recipe", "w8a8-naive", "--json", str(tmp_path / "a.json")]) == 0
     assert main([*ev, "--checkpoint", str(tmp_path / "ck"), "--json", str(tmp_path / "b.json")]) == 0
@@ -148,12 +148,12 @@ def test_checkpoint_eval_equals_recipe_eval(tiny, tmp_path):
 def test_run_appends_rows_as_they_finish(tiny, tmp_path):
     d, text = tiny
     out = tmp_path / "o"
-    assert main(["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8", "--ctx", "64",
+    assert main(["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8", "--eval-len", "64",
                  "--eval-tokens", "64", "--out", str(out)]) == 0
     lines = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     assert lines[0]["protocol"]["ctx"] == 64 and [x["row"]["recipe"] for x in lines[1:]] == ["fp", "w8"]
     # a second run into the same directory must choose: --resume (nothing left to do) or --overwrite
-    base = ["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8", "--ctx", "64", "--eval-tokens", "64",
+    base = ["run", "--model", str(d), "--text", str(text), "--recipes", "fp,w8", "--eval-len", "64", "--eval-tokens", "64",
             "--out", str(out)]
     assert main(base) == 2
     assert main([*base, "--resume"]) == 0
@@ -192,7 +192,7 @@ def test_eval_also_on_news_matches_a_float64_oracle(tiny, tmp_path):
 
     d, text = tiny
     out = tmp_path / "r.json"
-    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--ctx", "64",
+    assert main(["eval", "--model", str(d), "--text", str(text), "--recipe", "fp", "--eval-len", "64",
                  "--eval-tokens", "256", "--also-eval", "news", "--json", str(out)]) == 0
     row = json.loads(out.read_text())
     assert row["eval_tokens_news"] == 256 and row["protocol"]["also_eval"]["news"]["eval_tokens"] == 256

@@ -77,7 +77,7 @@ def fx(tmp_path_factory):
 
 
 def _common(fx):
-    return ["--model", fx["tiny"], "--text", fx["text"], "--ctx", "32", "--eval-tokens", "64"]
+    return ["--model", fx["tiny"], "--text", fx["text"], "--eval-len", "32", "--eval-tokens", "64"]
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_backend_routes_quantized_matmuls_in_eval_and_run(fx, tmp_path, pallas_c
 
 
 def test_run_calibration_flags_pick_the_windows(fx, tmp_path, monkeypatch):
-    """``run --calib-windows N --calib-ctx C --seed S``: calibration draws N windows of C tokens with seed S
+    """``run --calib-windows N --calib-len C --seed S``: calibration draws N windows of C tokens with seed S
     (recorded at the call), and the protocol in results.json says so."""
     import eqjax.protocol as experiment
 
@@ -145,7 +145,7 @@ def test_run_calibration_flags_pick_the_windows(fx, tmp_path, monkeypatch):
     monkeypatch.setattr(experiment, "calibration_windows",
                         lambda ids, n, ctx, seed=0: seen.append((n, ctx, seed)) or orig(ids, n, ctx, seed))
     out = tmp_path / "o"
-    assert main(["run", *_common(fx), "--recipes", "w8a8-smoothquant", "--calib-windows", "2", "--calib-ctx", "16",
+    assert main(["run", *_common(fx), "--recipes", "w8a8-smoothquant", "--calib-windows", "2", "--calib-len", "16",
                  "--seed", "3", "--out", str(out)]) == 0
     assert seen == [(2, 16, 3)]
     pr = json.loads((out / "results.json").read_text())["protocol"]
@@ -170,6 +170,32 @@ def test_model_parallel_must_divide_the_devices(cmd, fx, tmp_path, capsys):
 def test_run_dist_timeout_is_checked(fx, tmp_path, capsys):
     assert main(["run", *_common(fx), "--recipes", "fp", "--out", str(tmp_path / "o"), "--dist-timeout", "0"]) == 2
     assert "bad distributed timeout (--dist-timeout)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new", [
+    (["run", "--ctx", "32", "--calib-ctx", "16"], ["run", "--eval-len", "32", "--calib-len", "16"]),
+    (["eval", "--recipe", "fp", "--ctx", "32", "--calib-ctx", "16"], ["eval", "--recipe", "fp", "--eval-len", "32", "--calib-len", "16"]),
+    (["quantize", "--recipe", "w8", "--out", "o", "--calib-ctx", "16"], ["quantize", "--recipe", "w8", "--out", "o", "--calib-len", "16"]),
+])
+def test_old_flag_spellings_are_hidden_aliases(old, new, capsys):
+    """``--ctx`` / ``--calib-ctx`` (the old spellings) set what ``--eval-len`` / ``--calib-len`` set, and the
+    help names only the canonical flags."""
+    p = build_parser()
+    got = p.parse_args(old)
+    assert got == p.parse_args(new) and not {"ctx", "calib_ctx"} & set(vars(got))
+    with pytest.raises(SystemExit):
+        p.parse_args([old[0], "--help"])
+    text = capsys.readouterr().out
+    assert "--calib-len" in text and "--ctx" not in text and "--calib-ctx" not in text
+
+
+@pytest.mark.parametrize("argv", [["run"], ["eval", "--recipe", "fp"], ["quantize", "--recipe", "w8", "--out", "o"],
+                                  ["search", "--budget-bits", "4"], ["export-onnx", "--out", "o"],
+                                  ["export-gguf", "--recipe", "w8", "--out", "o.gguf"]])
+def test_calibration_defaults_are_the_same_in_every_command(argv):
+    args = build_parser().parse_args(argv)
+    assert (args.calib_windows, args.calib_len) == (16, 512)
+    assert getattr(args, "eval_len", 1024) in (1024, 512)
 
 
 # ------------------------------------------------------------------------------------ export-onnx
@@ -225,7 +251,7 @@ def test_export_onnx_accuracy_level_is_a_matmulnbits_level(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ errors and flags every command has
 @pytest.mark.parametrize("argv", [
-    ["run", "--ctx", "0", "--out", "{o}"],
+    ["run", "--eval-len", "0", "--out", "{o}"],
     ["quantize", "--recipe", "nope", "--out", "{o}"],
     ["search", "--budget-bits", "4", "--model", "{text}", "--out", "{o}"],
     ["export-onnx", "--recipe", "w8", "--out", "{o}.onnx"],

@@ -37,7 +37,7 @@ def job(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("main_job")
     out = d / "out"
-    rc = main(["run", "--ctx", str(CTX), "--eval-tokens", "1024", "--batch-size", "1", "--recipes", ",".join(RECIPES),
+    rc = main(["run", "--eval-len", str(CTX), "--eval-tokens", "1024", "--batch-size", "1", "--recipes", ",".join(RECIPES),
                "--calib-windows", "2", "--out", str(out), "--json", str(d / "rows.json")])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 KILL_AFTER_S = 400
 RECIPES = ("w8a8-smoothquant", "w4g128-gptq", "w4g128-awq")
-CALIB = ["--calib-windows", "8", "--calib-ctx", "32"]
+CALIB = ["--calib-windows", "8", "--calib-len", "32"]
 
 
 def _free_port() -> int:
@@ -126,7 +126,7 @@ def test_two_by_two_quantize_equals_one_device(tiny, one_process, tmp_path, reci
 
 def test_two_by_two_eval_equals_one_process(tiny, one_process, tmp_path):  # noqa: F811
     d, text = tiny
-    ev = ["eval", "--model", str(d), "--text", str(text), "--ctx", "32", "--eval-tokens", "192", "--batch-size", "1",
+    ev = ["eval", "--model", str(d), "--text", str(text), "--eval-len", "32", "--eval-tokens", "192", "--batch-size", "1",
           "--checkpoint", str(one_process / "w4g128-gptq")]
     r = _one(*ev, "--json", str(tmp_path / "one.json"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -166,7 +166,7 @@ def _wait_for(p: subprocess.Popen, stream: str, word: str, timeout: float = 300)
 def test_dead_peer_ends_the_survivor_with_one_line(tiny, tmp_path):  # noqa: F811
     d, text = tiny
     procs = _start_two(lambda pid: ["quantize", "--model", str(d), "--text", str(text), "--recipe", "w4g128-gptq",
-                                    "--calib-windows", "64", "--calib-ctx", "64", "--out", str(tmp_path / "ck"),
+                                    "--calib-windows", "64", "--calib-len", "64", "--out", str(tmp_path / "ck"),
                                     "--dist-timeout", "5"])
     try:
         _wait_for(procs[0], "stderr", "gptq:")  # process 0's progress bar: calibration has started

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 def test_smollm2_two_process_quantize_and_eval(tmp_path):
     ck = tmp_path / "ck"
-    res = _two(lambda pid: ["quantize", "--recipe", "w4g128-gptq", "--calib-windows", "2", "--calib-ctx", "256",
+    res = _two(lambda pid: ["quantize", "--recipe", "w4g128-gptq", "--calib-windows", "2", "--calib-len", "256",
                             "--out", str(ck)], devices=1)
     assert [rc for rc, _, _ in res] == [0, 0], _show(res)
     assert (ck / "eqjax.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    ev = ["eval", "--checkpoint", str(ck), "--ctx", "512", "--eval-tokens", "1024", "--batch-size", "1"]
+    ev = ["eval", "--checkpoint", str(ck), "--eval-len", "512", "--eval-tokens", "1024", "--batch-size", "1"]
     r = _one(*ev, "--json", str(tmp_path / "one.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     res = _two(lambda pid: [*ev, "--json", str(tmp_path / f"two{pid}.json")], devices=1)

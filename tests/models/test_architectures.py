@@ -296,7 +296,7 @@ def test_cli_eval_on_an_hf_directory(tmp_path, case):
     text = tmp_path / "text.txt"
     text.write_text(" ".join(words), encoding="utf-8")
     ctx, n = 64, 4
-    common = ["--model", str(d), "--text", str(text), "--ctx", str(ctx), "--eval-tokens", str(ctx * n)]
+    common = ["--model", str(d), "--text", str(text), "--eval-len", str(ctx), "--eval-tokens", str(ctx * n)]
     out = tmp_path / "fp.json"
     assert main(["eval", *common, "--recipe", "fp", "--json", str(out)]) == 0
     ppl = json.loads(out.read_text())["ppl"]
@@ -309,6 +309,6 @@ def test_cli_eval_on_an_hf_directory(tmp_path, case):
     assert ppl == pytest.approx(math.exp(nll), rel=1e-4)
 
     out = tmp_path / "w8a8.json"
-    rc = main(["eval", *common, "--recipe", "w8a8-smoothquant", "--calib-windows", "4", "--calib-ctx", "32",
+    rc = main(["eval", *common, "--recipe", "w8a8-smoothquant", "--calib-windows", "4", "--calib-len", "32",
                "--json", str(out)])
     assert rc == 0 and np.isfinite(json.loads(out.read_text())["ppl"])

@@ -60,7 +60,7 @@ from robustness_run import OUTCOMES, run_case, run_cli_inprocess
 __all__ = ["OUTCOMES", "Case", "Fixtures", "Result", "catalogue", "run_case"]
 
 
-EVAL = ["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64"]
+EVAL = ["eval", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64"]
 
 
 def _files(**content: str | bytes) -> Callable[[Fixtures, pathlib.Path], dict[str, str]]:
@@ -246,7 +246,7 @@ def _run_rows(n: int, key: str = "o") -> Callable[..., str | None]:
 def _resume_setup(fx: Fixtures, work: pathlib.Path) -> dict[str, str]:
     """An interrupted run: rows.jsonl with the header and the fp row (and a torn last line)."""
     out = work / "run"
-    res = run_cli_inprocess(["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--ctx", "32",
+    res = run_cli_inprocess(["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--eval-len", "32",
                              "--eval-tokens", "64", "--recipes", "fp", "--out", str(out)])
     assert res.rc == 0, res.err[-500:]
     lines = (out / "rows.jsonl").read_text().splitlines()
@@ -337,81 +337,81 @@ def catalogue() -> list[Case]:
              check=_json_row_ok))
 
     T = "model"
-    add(Case("model: path missing", T, argv=["eval", "--model", "/nonexistent/m.gguf", "--text", "{text}", "--ctx", "32",
+    add(Case("model: path missing", T, argv=["eval", "--model", "/nonexistent/m.gguf", "--text", "{text}", "--eval-len", "32",
                                                 "--eval-tokens", "64", "--recipe", "fp"], cause=r"model not found.*m\.gguf"))
-    add(Case("model: a text file given as the model", T, argv=["eval", "--model", "{text}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: a text file given as the model", T, argv=["eval", "--model", "{text}", "--text", "{text}", "--eval-len", "32",
                                                                   "--eval-tokens", "64", "--recipe", "fp"], cause=r"unknown model format.*text\.txt"))
-    add(Case("model: truncated GGUF", T, argv=["eval", "--model", "{g}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64",
+    add(Case("model: truncated GGUF", T, argv=["eval", "--model", "{g}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64",
                                                   "--recipe", "fp"], cause=r"cut\.gguf.*(truncated|corrupt)",
              setup=lambda fx, w: (w / "cut.gguf").write_bytes((fx.root / "tiny.gguf").read_bytes()[:3000]) and {"g": str(w / "cut.gguf")}))
-    add(Case("model: empty .gguf", T, argv=["eval", "--model", "{g}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64",
+    add(Case("model: empty .gguf", T, argv=["eval", "--model", "{g}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64",
                                                "--recipe", "fp"], cause=r"e\.gguf: not a GGUF file",
              setup=lambda fx, w: (w / "e.gguf").write_bytes(b"") or {"g": str(w / "e.gguf")}))
-    add(Case("model: garbage after the GGUF magic", T, argv=["eval", "--model", "{g}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: garbage after the GGUF magic", T, argv=["eval", "--model", "{g}", "--text", "{text}", "--eval-len", "32",
                                                                 "--eval-tokens", "64", "--recipe", "fp"], cause=r"g\.gguf",
              setup=lambda fx, w: (w / "g.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 8) and {"g": str(w / "g.gguf")}))
-    add(Case("model: HF dir without config.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: HF dir without config.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                               "--eval-tokens", "64", "--recipe", "fp"], cause=r"no config\.json",
              setup=_copy_tiny("nocfg", lambda d: (d / "config.json").unlink())))
-    add(Case("model: truncated safetensors", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: truncated safetensors", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                          "--eval-tokens", "64", "--recipe", "fp"], cause=r"model\.safetensors.*(truncated|corrupt)",
              setup=_copy_tiny("cut", _truncate("model.safetensors", 0.5))))
-    add(Case("model: corrupt config.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: corrupt config.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                        "--eval-tokens", "64", "--recipe", "fp"], cause=r"config\.json.*not valid JSON",
              setup=_copy_tiny("badcfg", lambda d: (d / "config.json").write_text("{nope"))))
-    add(Case("model: int32 weights (ppl would be Infinity)", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: int32 weights (ppl would be Infinity)", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                                          "--eval-tokens", "64", "--recipe", "fp"],
              cause=r"q_proj.*floating-point.*int32", setup=_int_weights))
-    add(Case("model: NaN in a norm", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64",
+    add(Case("model: NaN in a norm", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64",
                                                  "--recipe", "w8"], cause=r"non-finite.*layers_0/mlp_norm/scale.*\(3,\)",
              setup=_hf_variant("nan", mutate=_set_param("layers_0/mlp_norm/scale", (3,), float("nan")))))
-    add(Case("model: Inf in the embedding", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: Inf in the embedding", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                         "--eval-tokens", "64", "--recipe", "fp"], cause=r"non-finite.*embed/embedding.*\(7, 2\)",
              setup=_hf_variant("inf", mutate=_set_param("embed/embedding", (7, 2), float("inf")))))
-    add(Case("model: HF dir without tokenizer.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: HF dir without tokenizer.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                                  "--eval-tokens", "64", "--recipe", "fp"], cause=r"tokenizer\.json",
              setup=_copy_tiny("notok", lambda d: (d / "tokenizer.json").unlink())))
-    add(Case("model: corrupt tokenizer.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: corrupt tokenizer.json", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                           "--eval-tokens", "64", "--recipe", "fp"], cause=r"tokenizer\.json",
              setup=_copy_tiny("badtok", lambda d: (d / "tokenizer.json").write_text('{"model": 1}'))))
-    add(Case("model: token ids beyond the vocabulary", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: token ids beyond the vocabulary", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                                    "--eval-tokens", "64", "--recipe", "fp"],
              cause=r"outside the model's vocabulary.*tokenizer\.json.*\[0, 200\)", setup=_copy_tiny("v200", _big_vocab_tokenizer)))
-    add(Case("model: pickle-only checkpoint", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32",
+    add(Case("model: pickle-only checkpoint", T, argv=["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32",
                                                           "--eval-tokens", "64", "--recipe", "fp"], cause=r"pickle",
              setup=_copy_tiny("pkl", lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"))))
     add(Case("model: tiny GGUF evaluates", T, expect="ok",
-             argv=["eval", "--model", "{gguf}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64", "--recipe", "w8",
+             argv=["eval", "--model", "{gguf}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64", "--recipe", "w8",
                    "--json", "{json_out}"], setup=_with_json_out(), check=_json_row_ok))
 
     T = "text"
-    add(Case("text: missing", T, argv=["eval", "--model", "{tiny}", "--text", "/nonexistent.txt", "--recipe", "fp", "--ctx", "32",
+    add(Case("text: missing", T, argv=["eval", "--model", "{tiny}", "--text", "/nonexistent.txt", "--recipe", "fp", "--eval-len", "32",
                                           "--eval-tokens", "64"], cause=r"nonexistent\.txt: no such file"))
-    add(Case("text: not UTF-8", T, argv=["eval", "--model", "{tiny}", "--text", "{t}", "--recipe", "fp", "--ctx", "32",
+    add(Case("text: not UTF-8", T, argv=["eval", "--model", "{tiny}", "--text", "{t}", "--recipe", "fp", "--eval-len", "32",
                                             "--eval-tokens", "64"], cause=r"t\.txt: not UTF-8.*0xe9",
              setup=_files(t__txt="caf\xe9 ".encode("latin-1") * 200)))
-    add(Case("text: empty", T, argv=["eval", "--model", "{tiny}", "--text", "{t}", "--recipe", "fp", "--ctx", "32",
+    add(Case("text: empty", T, argv=["eval", "--model", "{tiny}", "--text", "{t}", "--recipe", "fp", "--eval-len", "32",
                                         "--eval-tokens", "64"], cause=r"t\.txt: the file is empty", setup=_files(t__txt="  \n")))
     add(Case("text: too short for the windows", T, argv=["eval", "--model", "{tiny}", "--text", "{t}", "--recipe", "fp",
-                                                            "--ctx", "32", "--eval-tokens", "64"], cause=r"t\.txt.*tokens",
+                                                            "--eval-len", "32", "--eval-tokens", "64"], cause=r"t\.txt.*tokens",
              setup=_files(t__txt="too short")))
-    add(Case("text: a directory", T, argv=["eval", "--model", "{tiny}", "--text", "{d}", "--recipe", "fp", "--ctx", "32",
+    add(Case("text: a directory", T, argv=["eval", "--model", "{tiny}", "--text", "{d}", "--recipe", "fp", "--eval-len", "32",
                                               "--eval-tokens", "64"], cause=r"not a regular file",
              setup=lambda fx, w: (w / "d").mkdir() or {"d": str(w / "d")}))
 
     T = "flags"
     base = ["eval", "--model", "{tiny}", "--text", "{text}", "--recipe", "fp"]
-    add(Case("flags: --ctx 0", T, argv=[*base, "--ctx", "0"], cause=r"--ctx.*>= 2.*0"))
-    add(Case("flags: --ctx -5", T, argv=[*base, "--ctx", "-5"], cause=r"--ctx.*-5"))
-    add(Case("flags: --eval-tokens below --ctx", T, argv=[*base, "--ctx", "32", "--eval-tokens", "10"],
+    add(Case("flags: --eval-len 0", T, argv=[*base, "--eval-len", "0"], cause=r"--eval-len.*>= 2.*0"))
+    add(Case("flags: --eval-len -5", T, argv=[*base, "--eval-len", "-5"], cause=r"--eval-len.*-5"))
+    add(Case("flags: --eval-tokens below --eval-len", T, argv=[*base, "--eval-len", "32", "--eval-tokens", "10"],
              cause=r"--eval-tokens.*>= 32.*10"))
-    add(Case("flags: --ctx above the model's max positions", T, argv=[*base, "--ctx", "512", "--eval-tokens", "512"],
+    add(Case("flags: --eval-len above the model's max positions", T, argv=[*base, "--eval-len", "512", "--eval-tokens", "512"],
              cause=r"max_position_embeddings.*<= 128.*512"))
-    add(Case("flags: --batch-size 0", T, argv=[*base, "--ctx", "32", "--eval-tokens", "64", "--batch-size", "0"],
+    add(Case("flags: --batch-size 0", T, argv=[*base, "--eval-len", "32", "--eval-tokens", "64", "--batch-size", "0"],
              cause=r"--batch-size"))
-    add(Case("flags: --calib-windows -1", T, argv=[*base, "--ctx", "32", "--eval-tokens", "64", "--calib-windows", "-1"],
+    add(Case("flags: --calib-windows -1", T, argv=[*base, "--eval-len", "32", "--eval-tokens", "64", "--calib-windows", "-1"],
              cause=r"--calib-windows"))
-    add(Case("flags: --ctx abc", T, argv=[*base, "--ctx", "abc"], cause=r"--ctx.*invalid int"))
+    add(Case("flags: --eval-len abc", T, argv=[*base, "--eval-len", "abc"], cause=r"--eval-len.*invalid int"))
     add(Case("flags: --recipe and --checkpoint together", T, argv=[*base, "--checkpoint", "{ck}"], cause=r"not allowed with"))
     add(Case("flags: unknown subcommand", T, argv=["evaluate"], cause=r"invalid choice"))
 
@@ -461,18 +461,18 @@ def catalogue() -> list[Case]:
     add(Case("quantize: --recipe kv4 records the KV settings", T, expect="ok",
              argv=["quantize", "--model", "{tiny}", "--recipe", "kv4", "--out", "{c}"],
              setup=lambda fx, w: {"c": str(w / "c")}, check=_ck_loads("c", "kv4", kv=True)))
-    add(Case("run: --out holds a previous run's results", T, argv=["run", "--model", "{tiny}", "--text", "{text}", "--ctx", "32",
+    add(Case("run: --out holds a previous run's results", T, argv=["run", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32",
                                                                    "--eval-tokens", "64", "--recipes", "fp", "--out", "{o}"],
              cause=r"results exist.*--overwrite",
              setup=lambda fx, w: ((w / "o").mkdir(), (w / "o" / "results.json").write_text("{}")) and {"o": str(w / "o"), "r": str(w / "o" / "results.json")},
              check=_unchanged("r", b"{}")))
     add(Case("run: --resume keeps the finished rows", T, expect="ok",
-             argv=["run", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64", "--recipes", "fp,w8",
+             argv=["run", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64", "--recipes", "fp,w8",
                    "--out", "{o}", "--resume"], setup=_resume_setup, check=_resume_check))
     add(Case("run: --resume under another protocol", T,
-             argv=["run", "--model", "{tiny}", "--text", "{text}", "--ctx", "16", "--eval-tokens", "64", "--recipes", "fp,w8",
+             argv=["run", "--model", "{tiny}", "--text", "{text}", "--eval-len", "16", "--eval-tokens", "64", "--recipes", "fp,w8",
                    "--out", "{o}", "--resume"], setup=_resume_setup, cause=r"protocol\.ctx.*16.*32"))
-    add(Case("run: two recipes with one name", T, argv=["run", "--model", "{tiny}", "--text", "{text}", "--ctx", "32",
+    add(Case("run: two recipes with one name", T, argv=["run", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32",
                                                         "--eval-tokens", "64", "--recipes", "fp,fp", "--out", "{o}"],
              cause=r"listed twice", setup=lambda fx, w: {"o": str(w / "o")}))
     add(Case("export-onnx: --recipe kv4", T, argv=["export-onnx", "--model", "{gguf}", "--recipe", "kv4", "--out", "{o}"],
@@ -507,10 +507,10 @@ def catalogue() -> list[Case]:
              setup=lambda fx, w: {"o": str(w / "m.gguf")}))
 
     T = "checkpoint"
-    ev = ["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64"]
+    ev = ["eval", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64"]
     add(Case("checkpoint: evaluates", T, expect="ok", argv=[*ev, "--checkpoint", "{ck}", "--json", "{json_out}"],
              setup=_with_json_out(), check=_json_row_ok))
-    add(Case("checkpoint: into a model of another shape", T, argv=["eval", "--model", "{other}", "--text", "{text}", "--ctx", "32",
+    add(Case("checkpoint: into a model of another shape", T, argv=["eval", "--model", "{other}", "--text", "{text}", "--eval-len", "32",
                                                                     "--eval-tokens", "64", "--checkpoint", "{ck}"],
              cause=r"another model.*config key.*expected.*found"))
     add(Case("checkpoint: truncated data file", T, argv=[*ev, "--checkpoint", "{c}"], cause=r"truncated.*expected \d+ bytes",

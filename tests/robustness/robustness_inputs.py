@@ -14,8 +14,8 @@ from unittest import mock
 
 from robustness_fixtures import Case, Fixtures, Result, write_gguf
 
-ON_MODEL = ["eval", "--model", "{m}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64", "--recipe", "fp"]
-ON_TEXT = ["eval", "--model", "{tiny}", "--text", "{t}", "--ctx", "32", "--eval-tokens", "64", "--recipe", "fp"]
+ON_MODEL = ["eval", "--model", "{m}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64", "--recipe", "fp"]
+ON_TEXT = ["eval", "--model", "{tiny}", "--text", "{t}", "--eval-len", "32", "--eval-tokens", "64", "--recipe", "fp"]
 
 Setup = Callable[[Fixtures, pathlib.Path], dict[str, str]]
 
@@ -111,7 +111,7 @@ def _same_row_as_tiny(fx: Fixtures, work: pathlib.Path, v: dict[str, str], res: 
     if problem:
         return problem
     ref = work / "ref.json"
-    run_cli_inprocess(["eval", "--model", v["tiny"], "--text", v["text"], "--ctx", "32", "--eval-tokens", "64",
+    run_cli_inprocess(["eval", "--model", v["tiny"], "--text", v["text"], "--eval-len", "32", "--eval-tokens", "64",
                        "--recipe", "fp", "--json", str(ref)])
     a, b = (json.loads(pathlib.Path(p).read_text())["ppl"] for p in (v["json_out"], ref))
     return None if a == b else f"ppl {a} of the shards, {b} of the single file"

@@ -170,7 +170,7 @@ def kill_onnx(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
 
 def _run_cmd(fx: Fixtures, out: pathlib.Path, recipes: str, *extra: str) -> list[str]:
     return ["-m", "eqjax.cli", "run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"),
-            "--ctx", "32", "--eval-tokens", "64", "--recipes", recipes, "--out", str(out), *extra]
+            "--eval-len", "32", "--eval-tokens", "64", "--recipes", recipes, "--out", str(out), *extra]
 
 
 def kill_run_then_resume(fx: Fixtures, work: pathlib.Path, v: dict, sig: int = signal.SIGKILL) -> str | None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from robustness_fixtures import ROOT, Case, Fixtures, Result, write_hf_model
 from robustness_run import run_cli_inprocess
 
-RUN = ["run", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64"]
+RUN = ["run", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64"]
 QUANT = ["quantize", "--recipe", "w8"]
 REPORT = ("results.json", "results.md", "weight_histograms.png", "ppl_vs_size.png")
 
@@ -82,7 +82,7 @@ def _run_dir(fx: Fixtures, work: pathlib.Path, recipes: str = "fp", model: str |
              text: str | None = None) -> pathlib.Path:
     out = work / "run"
     res = run_cli_inprocess(["run", "--model", model or str(fx.root / "tiny"), "--text", text or str(fx.root / "text.txt"),
-                             "--ctx", "32", "--eval-tokens", "64", "--recipes", recipes, "--out", str(out)])
+                             "--eval-len", "32", "--eval-tokens", "64", "--recipes", recipes, "--out", str(out)])
     assert res.rc == 0, res.err[-500:]
     return out
 
@@ -211,7 +211,7 @@ def kill_run_disk_full(fx: Fixtures, work: pathlib.Path, v: dict) -> str | None:
     if limit >= min(len(before[n]) for n in REPORT if n.endswith(".png")):
         return "the case's file-size limit does not separate the JSON from the plots"
     r = subprocess.run([sys.executable, "-m", "eqjax.cli", "run", "--model", str(fx.root / "tiny"), "--text",
-                        str(fx.root / "text.txt"), "--ctx", "32", "--eval-tokens", "64", "--recipes", "fp,w8", "--out",
+                        str(fx.root / "text.txt"), "--eval-len", "32", "--eval-tokens", "64", "--recipes", "fp,w8", "--out",
                         str(out), "--overwrite"], capture_output=True, text=True, cwd=str(ROOT), env=_env(),
                        preexec_fn=_file_size_limit(limit), timeout=600)
     failure = _one_error_line(r.stderr, r.returncode, 1, "File too large")
@@ -275,7 +275,7 @@ def kill_concurrent_runs(fx: Fixtures, work: pathlib.Path, v: dict) -> str | Non
 
     out = work / "run"
     names = "fp,w8,w4g128-rtn,w8a8-naive,w8-absmax,w8-zeropoint,w4g128-rtn-sym,w8a8-zeroquant"
-    argv = ["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--ctx", "32",
+    argv = ["run", "--model", str(fx.root / "tiny"), "--text", str(fx.root / "text.txt"), "--eval-len", "32",
             "--eval-tokens", "64", "--recipes", names, "--out", str(out)]
     p = subprocess.Popen([sys.executable, "-m", "eqjax.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=str(ROOT), env=_env())
@@ -337,7 +337,7 @@ def outputs_cases() -> list[Case]:
              argv=[*RUN, "--model", "{m}", "--recipes", "fp", "--out", "{proj}/o", "--json", "{m}/rows.json"],
              cause=r"--json file lies inside the input", setup=_project, check=_project_intact),
         Case("outputs: run --json is the --text file, --overwrite", T,
-             argv=["run", "--model", "{tiny}", "--text", "{notes}", "--ctx", "32", "--eval-tokens", "64", "--recipes",
+             argv=["run", "--model", "{tiny}", "--text", "{notes}", "--eval-len", "32", "--eval-tokens", "64", "--recipes",
                    "fp", "--out", "{proj}/o", "--json", "{notes}", "--overwrite"],
              cause=r"--json file is the input", setup=_project, check=_project_intact),
         Case("outputs: run --resume after the model's weights were replaced", T,
@@ -347,11 +347,11 @@ def outputs_cases() -> list[Case]:
              argv=[*RUN, "--model", "{m}", "--text", "{t}", "--recipes", "fp,w8", "--out", "{o}", "--resume"],
              cause=r"text's content changed.*text_sha256", setup=_interrupted_run(_edit_text)),
         Case("outputs: checkpoint with a flipped byte and no file table", T,
-             argv=["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64",
+             argv=["eval", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64",
                    "--checkpoint", "{c}"], cause=r"without a file table.*eqjax\.json: files",
              setup=_ck_copy("c", _ck_strip(table=True))),
         Case("outputs: checkpoint with a flipped byte in a file dropped from its table", T,
-             argv=["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64",
+             argv=["eval", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64",
                    "--checkpoint", "{c}"], cause=r"not in its manifest", setup=_ck_copy("c", _ck_strip(table=False))),
         Case("outputs: api save_quantized(dir, <QuantizedNNX>)", T, api=api_save_nnx_result,
              cause=r"save_quantized: params.*QuantizedNNX.*\.params"),

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from robustness_fixtures import Case, Fixtures, Result
 
-EVAL = ["eval", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64"]
+EVAL = ["eval", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64"]
 RTN = '[[steps]]\nmethod = "rtn"\n'
 
 
@@ -206,7 +206,7 @@ def recipes_cases() -> list[Case]:
                         (" ", r"empty recipe name")):
         add(Case(f"suffixes: --recipe {name!r}", T, argv=[*EVAL, "--recipe", name], cause=cause))
     add(Case("suffixes: run --recipes with a conflicting pair", T,
-             argv=["run", "--model", "{tiny}", "--text", "{text}", "--ctx", "32", "--eval-tokens", "64",
+             argv=["run", "--model", "{tiny}", "--text", "{text}", "--eval-len", "32", "--eval-tokens", "64",
                    "--recipes", "fp,w8+bf16+f16", "--out", "{o}"], cause=r"conflicting.*'\+bf16' and '\+f16'",
              setup=_out, check=_nothing_written("o")))
     add(Case("suffixes: w8+emb-int8+f16 evaluates", T, expect="ok",

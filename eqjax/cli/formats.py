@@ -1,0 +1,95 @@
+"""Checkpoint formats of ``eqjax quantize --format`` and ``eqjax eval --checkpoint``: eqjax's Orbax checkpoint, or
+a compressed-tensors HF directory (:mod:`eqjax.io.compressed_tensors`) that vLLM and transformers load."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+
+from eqjax.core.errors import CompatibilityError
+from eqjax.export.package import tokenizer_files
+from eqjax.io.compressed_tensors import (
+    FORMAT,
+    TOKENIZER_FILES,
+    check_recipe,
+    is_compressed_tensors,
+    load_compressed_tensors,
+    save_compressed_tensors,
+)
+from eqjax.io.gguf import default_model_path, read_metadata
+from eqjax.io.hf import FILE_DTYPES
+from eqjax.io.orbax import CHECKPOINT_ENTRIES
+
+__all__ = ["FORMATS", "add_format_args", "check_format", "replaceable", "save_in_format", "is_hf_quantized",
+           "load_hf_quantized"]
+
+FORMATS = ("orbax", FORMAT)
+
+
+def add_format_args(p: Any) -> None:
+    """``--format`` and ``--dtype`` of ``eqjax quantize``."""
+    p.add_argument("--format", choices=FORMATS, default="orbax",
+                   help="orbax: eqjax's checkpoint (every recipe; 'eqjax eval --checkpoint' reads it); compressed-tensors: "
+                        "an HF directory vLLM, SGLang and transformers load (4/8-bit weights, int8 W8A8)")
+    p.add_argument("--dtype", choices=FILE_DTYPES, default="bfloat16",
+                   help="compressed-tensors: the dtype of float tensors and scales in the files (default bfloat16)")
+
+
+def check_format(fmt: str, recipe: Any) -> None:
+    """Refuse, before any work, a recipe the output format cannot hold (naming recipe, format and why)."""
+    if fmt == FORMAT:
+        check_recipe(recipe)
+
+
+def replaceable(fmt: str) -> tuple[str, ...]:
+    """Entries of an existing output directory that a new checkpoint of ``fmt`` replaces by name."""
+    return (*TOKENIZER_FILES, "config.json", "model.safetensors") if fmt == FORMAT else CHECKPOINT_ENTRIES
+
+
+def _tokenizer(model_path: str | None, tok: Any, config: Any) -> tuple[dict[str, str], pathlib.Path | None, dict]:
+    """``(files to write, directory to copy the tokenizer from, token ids for config.json)``."""
+    src = pathlib.Path(model_path) if model_path else None
+    ids = {k: v for k, v in (("bos_token_id", getattr(tok, "bos_id", None)), ("eos_token_id", getattr(tok, "eos_id", None)))
+           if v is not None}
+    if src is not None and src.is_dir():
+        return {}, src, ids
+    if tok is None or not hasattr(tok, "backend"):
+        return {}, None, ids
+    template = read_metadata(src or default_model_path()).get("tokenizer.chat_template")
+    ctx = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    files = tokenizer_files(tok, chat_template=template, context_length=ctx)
+    files["generation_config.json"] = json.dumps({**ids, "_from_model_config": True}, indent=2)
+    return files, None, ids
+
+
+def save_in_format(fmt: str, out: str, setup: Any, qparams: Any, *, model_path: str | None, dtype: str,
+                   overwrite: bool) -> str:
+    """Write ``qparams`` as a ``fmt`` checkpoint (non-Orbax formats only); returns a one-line summary."""
+    files, copy_from, ids = _tokenizer(model_path, setup.tokenizer, setup.model.config)
+    info = save_compressed_tensors(out, setup.model, qparams, dtype=dtype, files=files, copy_from=copy_from,
+                                   extra_config=ids, overwrite=overwrite)
+    fmts = sorted({s["format"] for s in info["schemes"].values()})
+    note = (f"; {len(info['regrouped'])} weight(s) with a shorter last group written as smaller groups (same values)"
+            if info["regrouped"] else "")
+    return f"saved {info['path']} ({FORMAT}: {', '.join(fmts)}, {info['bytes'] / 2**20:.1f} MiB{note})"
+
+
+def is_hf_quantized(path: str | None) -> bool:
+    """Whether ``path`` is an HF directory holding a compressed-tensors checkpoint."""
+    return path is not None and pathlib.Path(path).is_dir() and is_compressed_tensors(path)
+
+
+def load_hf_quantized(path: str, model: Any, params: Any) -> Any:
+    """The quantized params of the compressed-tensors directory ``path``, checked against ``model``'s params."""
+    loaded_model, qparams = load_compressed_tensors(path)
+    def shapes(tree: Any) -> Any:
+        return jax.tree.map(lambda x: tuple(x.shape), tree, is_leaf=lambda x: hasattr(x, "shape"))
+
+    if shapes(params) != shapes(qparams):
+        raise CompatibilityError(f"checkpoint made for another model (--checkpoint {path} vs --model): expected the "
+                                 f"architecture and shapes of --model, found {type(loaded_model.config).__name__} "
+                                 f"{loaded_model.config.hidden} hidden x {loaded_model.config.n_layers} layers")
+    return qparams

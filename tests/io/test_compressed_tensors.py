@@ -1,0 +1,243 @@
+"""compressed-tensors checkpoints against the format's own package and transformers (the independent oracles):
+the package packs and decompresses what eqjax writes to eqjax's weights exactly, transformers 4.57 loads it and
+computes eqjax's logits, and checkpoints the package makes load into eqjax's QArrays without a float detour."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+ct = pytest.importorskip("compressed_tensors")
+
+from compressed_tensors.compressors import BaseCompressor  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
+from compressed_tensors.config import CompressionFormat  # noqa: E402
+from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
+
+from eqjax.cli.main import main  # noqa: E402
+from eqjax.core.numerics import dequantize_leaf  # noqa: E402
+from eqjax.core.qarray import ActQuantKernel, QArray  # noqa: E402
+from eqjax.io.compressed_tensors import (  # noqa: E402
+    FormatError,
+    _pack32,
+    _unpack32,
+    check_recipe,
+    load_compressed_tensors,
+    save_compressed_tensors,
+)
+from eqjax.io.hf import load_hf_checkpoint  # noqa: E402
+from eqjax.recipes.apply import quantize  # noqa: E402
+from eqjax.recipes.registry import get_recipe  # noqa: E402
+
+pytestmark = pytest.mark.reference
+EPS32 = float(np.finfo(np.float32).eps)
+IDS = np.arange(3, 43, dtype=np.int32)[None]
+
+
+def _is_q(x):
+    return isinstance(x, (QArray, ActQuantKernel))
+
+
+@pytest.fixture(scope="module")
+def fp_dir(tmp_path_factory) -> pathlib.Path:
+    """A random Llama in transformers' own code; hidden 160 makes group 128 ragged (128 + 32), the head untied."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=160, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    d = tmp_path_factory.mktemp("ct") / "fp"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def quantized(fp_dir):
+    """recipe -> (model, qparams, written directory) (file dtype float32: the integers and scales exactly)."""
+    model, params = load_hf_checkpoint(fp_dir)
+    cal = np.random.default_rng(0).integers(0, 256, (4, 32)).astype(np.int32)
+    out = {}
+    for name in ("w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"):
+        q = quantize(params, name, model=model, calibration=cal, seed=0)
+        d = fp_dir.parent / name
+        info = save_compressed_tensors(d, model, q, dtype="float32")
+        out[name] = (model, q, d, info)
+    return out
+
+
+def _dequantized(tree):
+    return jax.tree.map(lambda x: np.asarray(dequantize_leaf(x, jnp.float32)), tree, is_leaf=_is_q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(3, 20), (5, 64), (1, 7)])
+def test_packing_is_the_librarys(bits: int, shape: tuple[int, int]) -> None:
+    u = np.random.default_rng(bits).integers(0, 2**bits, shape).astype(np.uint8)
+    signed = torch.tensor(u.astype(np.int32) - 2 ** (bits - 1), dtype=torch.int8)
+    assert np.array_equal(_pack32(u, bits), pack_to_int32(signed, bits).numpy())
+    assert np.array_equal(_pack32(u.T, bits).T, pack_to_int32(signed, bits, packed_dim=0).numpy())
+    assert np.array_equal(_unpack32(_pack32(u, bits), bits, shape[1]), u)
+
+
+@pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])
+def test_round_trip_keeps_every_weight(quantized, name: str) -> None:
+    model, q, d, info = quantized[name]
+    model2, q2 = load_compressed_tensors(d)
+    assert model2.config == model.config
+    for a, b in zip(jax.tree.leaves(_dequantized(q)), jax.tree.leaves(_dequantized(q2))):
+        np.testing.assert_array_equal(a, b)
+    kinds = {type(x).__name__ for x in jax.tree.leaves(q2, is_leaf=_is_q) if _is_q(x)}
+    assert kinds == {"ActQuantKernel" if "a8" in name else "QArray"}
+    if name.startswith("w4"):  # 160 inputs in groups of 128 + 32, written as groups of 32 (the same values)
+        assert info["schemes"]["model.layers.0.self_attn.q_proj"]["weights"]["group_size"] == 32
+        assert "model.layers.0.self_attn.q_proj" in info["regrouped"]
+
+
+@pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])
+def test_the_library_decompresses_eqjax_weights(quantized, name: str) -> None:
+    model, q, d, _ = quantized[name]
+    cfg = json.loads((d / "config.json").read_text())["quantization_config"]
+    stem = "model.layers.1.mlp.down_proj"
+    (group,) = [g for g in cfg["config_groups"].values() if g["targets"] in (["Linear"], [stem]) or stem in g["targets"]]
+    scheme = QuantizationScheme(**{k: v for k, v in group.items() if k != "format"})
+    compressor = BaseCompressor.load_from_registry(CompressionFormat(group["format"]).value)
+    from safetensors.torch import load_file
+
+    tensors = load_file(d / "model.safetensors")
+    state = {k[len(stem) + 1:]: v for k, v in tensors.items() if k.startswith(stem + ".")}
+    out = compressor.decompress(state, scheme)
+    want = _dequantized(q)["layers_1"]["mlp"]["down_proj"]["kernel"].T
+    np.testing.assert_array_equal(out["weight"].float().numpy(), want)
+
+
+def _torch_logits(d: pathlib.Path) -> np.ndarray:
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor(IDS, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("name", ["w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])
+def test_transformers_computes_eqjax_logits(quantized, name: str) -> None:
+    model, q, d, _ = quantized[name]
+    ref = np.asarray(model.apply(q, jnp.asarray(IDS))[0])
+    got = _torch_logits(d)
+    scale = float(np.abs(ref).max())
+    if "a8" in name:  # activations re-quantized per token by the loader: within a few int8 steps of the range
+        assert np.abs(got - ref).max() <= 4 / 127 * scale
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    else:  # the same float32 weights: op order only
+        assert np.abs(got - ref).max() <= 256 * EPS32 * scale
+
+
+def _peer_checkpoint(fp_dir: pathlib.Path, out: pathlib.Path, weights: dict, acts: dict | None) -> pathlib.Path:
+    """A checkpoint the compressed-tensors package makes itself (min/max scales, its compressor, its config)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(fp_dir, dtype=torch.float32).eval()
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=None if acts is None else QuantizationArgs(**acts))
+    apply_quantization_config(m, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                                    quantization_status="initialized"))
+    for mod in m.modules():
+        if hasattr(mod, "weight_scale"):
+            w = mod.weight.data
+            g = weights.get("group_size")
+            lo, hi = (w.reshape(w.shape[0], -1, g).amin(-1), w.reshape(w.shape[0], -1, g).amax(-1)) if g else (
+                w.amin(-1, keepdim=True), w.amax(-1, keepdim=True))
+            s, z = calculate_qparams(lo, hi, mod.quantization_scheme.weights)
+            mod.weight_scale.data = s.to(mod.weight_scale.dtype)
+            if hasattr(mod, "weight_zero_point"):
+                mod.weight_zero_point.data = z.to(mod.weight_zero_point.dtype)
+            mod.quantization_status = QuantizationStatus.CALIBRATION
+    compressor = ModelCompressor.from_pretrained_model(m)
+    compressor.compress_model(m)
+    m.save_pretrained(out)
+    compressor.update_config(out)
+    return out
+
+
+@pytest.mark.parametrize("weights, acts", [
+    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}, None),
+    ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+     {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
+], ids=["w4a16-g32", "w8a8"])
+def test_a_peer_checkpoint_loads_as_qarrays(fp_dir, tmp_path, weights, acts) -> None:
+    d = _peer_checkpoint(fp_dir, tmp_path / "peer", weights, acts)
+    model, q = load_compressed_tensors(d)
+    leaf = q["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(leaf, ActQuantKernel if acts else QArray)
+    ref = _torch_logits(d)
+    got = np.asarray(model.apply(q, jnp.asarray(IDS))[0])
+    scale = float(np.abs(ref).max())
+    tol = 4 / 127 * scale if acts else 256 * EPS32 * scale
+    assert np.abs(got - ref).max() <= tol
+
+
+@pytest.mark.parametrize("name, why", [
+    ("fp", "quantizes no weight"), ("kv8", "KV cache"), ("w3g128-rtn", "3-bit"),
+    ("w4a8-zeroquant-lkd", "4-bit weights with int8 activations"), ("w4g128-rtn+emb-int8", "embedding"),
+])
+def test_recipes_the_format_cannot_hold_are_refused(name: str, why: str) -> None:
+    with pytest.raises(FormatError, match=rf"recipe '{re.escape(name)}' cannot be written as compressed-tensors: .*{why}"):
+        check_recipe(get_recipe(name))
+
+
+def test_activation_ordered_groups_are_refused(quantized, tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    _, _, d, _ = quantized["w4g128-rtn-sym"]
+    bad = tmp_path / "perm"
+    bad.mkdir()
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight_g_idx"] = np.random.default_rng(0).permutation(160).astype(np.int32) // 32
+    save_file(tensors, bad / "model.safetensors")
+    (bad / "config.json").write_text((d / "config.json").read_text())
+    with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_g_idx: activation-ordered groups"):
+        load_compressed_tensors(bad)
+    del tensors["model.layers.0.mlp.up_proj.weight_g_idx"], tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(FormatError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight_scale is missing"):
+        load_compressed_tensors(bad)
+
+
+def test_cli_quantize_to_compressed_tensors_then_eval(fp_dir, tmp_path, capsys) -> None:
+    from tests.robustness.robustness_fixtures import TEXT, _byte_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in fp_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    _byte_tokenizer(src / "tokenizer.json")
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "ct"
+    common = ["--text", str(text), "--eval-len", "32", "--eval-tokens", "64"]
+    assert main(["quantize", "--model", str(src), "--recipe", "w4g128-rtn", "--out", str(out),
+                 "--format", "compressed-tensors", "--dtype", "float32"]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    capsys.readouterr()
+    rows = []
+    for argv in (["eval", "--checkpoint", str(out)], ["eval", "--model", str(src), "--checkpoint", str(out)],
+                 ["eval", "--model", str(src), "--recipe", "w4g128-rtn"]):
+        json_out = tmp_path / f"r{len(rows)}.json"
+        assert main([*argv, *common, "--json", str(json_out)]) == 0
+        rows.append(json.loads(json_out.read_text())["ppl"])
+    assert rows[0] == rows[1]
+    assert abs(rows[0] / rows[2] - 1) <= 1e-5  # the same weights; float32 accumulation order
+    assert main(["quantize", "--model", str(src), "--recipe", "kv8", "--out", str(tmp_path / "x"),
+                 "--format", "compressed-tensors"]) == 2
+    assert "cannot be written as compressed-tensors" in capsys.readouterr().err

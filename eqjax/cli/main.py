@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
-from eqjax.cli.export import add_export_args, add_gguf_args, check_context_length, export_main, gguf_main, recipe_for_export
+from eqjax.cli.export import add_export_args, add_gguf_args, check_export_args, check_gguf_args, export_main, gguf_main
 from eqjax.cli.flags import add_calibration_args, add_eval_len
 from eqjax.cli.formats import add_format_args, check_format, is_hf_quantized, load_hf_quantized, replaceable, save_in_format
 from eqjax.cli.hostmem import fix_mmap_threshold
@@ -31,6 +31,7 @@ from eqjax.cli.recipes import add_recipes_args, recipes_main
 from eqjax.cli.report import REPORT_FILES, markdown_table, write_report
 from eqjax.cli.resume import ROWS_FILE, RowLog, content_fingerprints, job_fingerprints, run_recipes
 from eqjax.cli.search import add_search_args, check_search_args, search_main
+from eqjax.cli.sources import check_model_source
 from eqjax.core.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, InputError, OutputError, describe, exit_code
 from eqjax.core.linear import use_backend
 from eqjax.data import DataError, check_encoding, load_text_file
@@ -45,7 +46,6 @@ from eqjax.distributed.runtime import (
 )
 from eqjax.distributed.supervise import supervise
 from eqjax.io.atomic import MARKER, check_not_input, check_output_dir, check_output_file, dumps_json, output_lock, write_json, write_marker
-from eqjax.io.gguf_write import check_gguf_recipe
 from eqjax.io.orbax import load_quantized, read_manifest, recipe_kv, save_quantized
 from eqjax.protocol import CALIBRATED_RUN_RECIPES, DEFAULT_RUN_RECIPES, check_protocol_args, checked_quantize, evaluate_recipe, prepare
 from eqjax.recipes.registry import RECIPES, get_recipe
@@ -194,13 +194,10 @@ def _check_int(flag: str, value: Any, lo: int, what: str) -> None:
         raise InputError(f"bad {what} ({flag}): expected an integer >= {lo}, found {value}")
 
 
-def _check_model_path(path: str | None, *, gguf_only: bool = False) -> None:
+def _check_model_path(path: str | None) -> None:
     if path is None:
         return
     p = pathlib.Path(path)
-    if gguf_only and not (p.suffix == ".gguf"):
-        raise InputError(f"unsupported model for this command (--model {p}): expected a .gguf file, found "
-                         f"{'a directory' if p.is_dir() else 'a ' + (p.suffix or 'suffix-less') + ' file'}")
     if not p.exists():
         raise InputError(f"model not found (--model {p}): expected a .gguf file or an HF checkpoint directory, found nothing")
 
@@ -418,7 +415,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 def _cmd_search(args: argparse.Namespace) -> int:
 
-    _check_model_path(getattr(args, "model", None), gguf_only=True)
+    check_model_source(getattr(args, "model", None), float_only="search")
     check_search_args(args)  # list-valued flags and flags that depend on each other, before loading
     for flag in ("calib_windows", "calib_len", "eval_len"):
         _check_int("--" + flag.replace("_", "-"), getattr(args, flag, None), 1, flag.replace("_", " "))
@@ -440,29 +437,26 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
 
-    _check_model_path(getattr(args, "model", None), gguf_only=True)
     _check_int("--context-length", getattr(args, "context_length", None), 2, "context length")
-    check_context_length(getattr(args, "model", None), getattr(args, "context_length", None))  # GGUF header only
     _check_int("--calib-windows", getattr(args, "calib_windows", None), 1, "number of calibration windows")
     _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
     if str(args.out).endswith(".onnx"):
         raise InputError(f"bad output name (--out {args.out}): expected a package directory, found a .onnx file name "
                          "(the export writes model.onnx, genai_config.json and the tokenizer into a directory)")
-    recipe_for_export(args.recipe, getattr(args, "embedding", "recipe"))  # unknown / unexportable recipes: before work
+    check_export_args(args)  # model, checkpoint, unknown / unexportable recipes, context length: before work
     check_output_dir(args.out, overwrite=getattr(args, "overwrite", False), what="package directory (--out)",
-                     inputs=(getattr(args, "model", None),))
+                     inputs=(getattr(args, "model", None), getattr(args, "checkpoint", None)))
     with output_lock(args.out):
         return int(export_main(args) or 0)
 
 
 def _cmd_gguf(args: argparse.Namespace) -> int:
 
-    _check_model_path(getattr(args, "model", None), gguf_only=True)
     _check_int("--calib-windows", getattr(args, "calib_windows", None), 1, "number of calibration windows")
     _check_int("--calib-len", getattr(args, "calib_len", None), 2, "calibration window length")
-    check_gguf_recipe(get_recipe(args.recipe))  # unknown / unrepresentable recipes: before work
+    check_gguf_args(args)  # model, checkpoint, unknown / unrepresentable recipes: before work
     check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="GGUF file (--out)")
-    check_not_input(args.out, (getattr(args, "model", None),), what="GGUF file (--out)")
+    check_not_input(args.out, (getattr(args, "model", None), getattr(args, "checkpoint", None)), what="GGUF file (--out)")
     with output_lock(args.out):
         return int(gguf_main(args) or 0)
 

@@ -1,6 +1,6 @@
-"""The ``eqjax search`` command: :func:`eqjax.search.allocate.search` on a GGUF model, then the Pareto curve
-(:mod:`eqjax.search.pareto`); writes ``rules.json`` (a recipe file), ``layers.json``, ``pareto.json`` and
-``pareto.png`` under ``--out``.
+"""The ``eqjax search`` command: :func:`eqjax.search.allocate.search` on a float model (a GGUF file or an HF
+directory), then the Pareto curve (:mod:`eqjax.search.pareto`); writes ``rules.json`` (a recipe file),
+``layers.json``, ``pareto.json`` and ``pareto.png`` under ``--out``.
 
 Kept apart from :mod:`eqjax.search.layers` so that the imports go one way: search_cli -> pareto -> search.
 """
@@ -13,11 +13,10 @@ import pathlib
 from typing import Any, Callable
 
 from eqjax.cli.flags import add_calibration_args, add_eval_len
+from eqjax.cli.sources import load_source
 from eqjax.core.errors import InputError, RecipeError
 from eqjax.data import calibration_windows, token_windows, wikipedia_tokens
 from eqjax.io.atomic import write_json, write_text
-from eqjax.io.gguf import load_gguf
-from eqjax.models import Model
 from eqjax.recipes.registry import get_recipe
 from eqjax.search.allocate import search
 from eqjax.search.layers import DEFAULT_CANDIDATES, METHODS, PROXIES, Candidate
@@ -150,7 +149,8 @@ def add_search_args(p: Any) -> Any:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--budget-bits", type=float, help="average stored bits per linear weight (metadata included)")
     g.add_argument("--budget-bytes", type=int, help="total stored bytes of the quantized model")
-    p.add_argument("--model", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="a .gguf file or a float HF directory with tokenizer.json (default: "
+                                                 "the bundled SmolLM2-135M)")
     p.add_argument("--out", default="search_out", help="output directory (rules JSON, Pareto JSON + PNG)")
     p.add_argument("--method", default="rtn", choices=sorted(METHODS),
                    help="how the searched per-layer formats are applied: rtn (round to nearest), gptq (GPTQ, each "
@@ -189,8 +189,8 @@ def search_main(args: Any) -> int:
     base = [(f"uniform {b}", KNOWN_BASELINES[b]) if b in KNOWN_BASELINES else (f"recipe {b}", b) for b in args.baselines]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg, params, tok = load_gguf(args.model)
-    model = Model(cfg)
+    src = load_source(args.model)
+    model, params, tok = src.model, src.params, src.tokenizer
     cal_ids, eval_ids = wikipedia_tokens(tok)
     cal = calibration_windows(cal_ids, args.calib_windows, args.calib_len, 0)
     res = search(model, params, cal, budget_bits=args.budget_bits, budget_bytes=args.budget_bytes,

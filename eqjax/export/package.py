@@ -7,7 +7,8 @@ fusions, and writes, atomically (a temporary sibling directory renamed into plac
 
     model.onnx, model.onnx.data   the graph and its weights (external data)
     genai_config.json             onnxruntime-genai's decoder config (names below, KV cache shared buffer)
-    tokenizer.json                the tokenizers JSON of eqjax's tokenizer (from the GGUF metadata)
+    tokenizer.json                the tokenizers JSON of eqjax's tokenizer (from the GGUF metadata), or
+                                  an HF source directory's file, copied (:class:`HFPackageTokenizer`)
     tokenizer_config.json         special tokens, add_bos_token, chat_template (when the source has one)
     chat_template.jinja           the same template as a file (when the source has one)
     eqjax_export.json             what was exported: recipe, target, accuracy level, fused ops, check
@@ -46,7 +47,8 @@ from eqjax.export.walker import Stack, Walker
 from eqjax.io.atomic import atomic_directory
 from eqjax.models import KVCache
 
-__all__ = ["TARGETS", "build_decoder", "export_package", "check_recipe", "genai_config", "tokenizer_files"]
+__all__ = ["TARGETS", "build_decoder", "export_package", "check_recipe", "genai_config", "tokenizer_files",
+           "HFPackageTokenizer"]
 
 TARGETS = {
     # target -> (MatMulNBits accuracy_level, what it means). The default keeps perplexity within 0.5 % of
@@ -206,8 +208,70 @@ def genai_config(model: Any, tok: Any, *, context_length: int, share_buffer: boo
     }
 
 
+def _json_object(f: pathlib.Path) -> dict:
+    """The JSON object in ``f`` ({} when absent); ExportError naming the file when it is not one."""
+    if not f.is_file():
+        return {}
+    try:
+        obj = json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExportError(f"unreadable tokenizer file ({f}): expected a JSON object, found {type(e).__name__}: "
+                          f"{str(e)[:120]}") from None
+    if not isinstance(obj, dict):
+        raise ExportError(f"unreadable tokenizer file ({f}): expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+class HFPackageTokenizer:
+    """An HF directory's tokenizer as the package takes it: ``encode`` (the self-check's prompt), the
+    bos / eos / pad ids of genai_config.json (``config.json``, overridden by ``generation_config.json``) and
+    its files, copied: tokenizer.json, tokenizer_config.json, and the chat template (tokenizer_config.json's
+    ``chat_template`` or ``chat_template.jinja``) as ``chat_template.jinja``."""
+
+    def __init__(self, directory: str | os.PathLike[str], tokenizer: Any) -> None:
+        self.directory = pathlib.Path(directory)
+        self.tokenizer = tokenizer
+        ids: dict[str, Any] = {}
+        for name in ("config.json", "generation_config.json"):
+            cfg = _json_object(self.directory / name)
+            ids.update({k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None})
+        eos = ids.get("eos_token_id")
+        first_eos = eos[0] if isinstance(eos, list) and eos else eos
+        self.bos_id: int | None = ids.get("bos_token_id")
+        self.eos_id: int | list[int] | None = eos
+        self.pad_id: int | None = ids.get("pad_token_id", first_eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def chat_template(self) -> str | None:
+        """The directory's chat template: tokenizer_config.json's (a string), else chat_template.jinja's."""
+        template = _json_object(self.directory / "tokenizer_config.json").get("chat_template")
+        jinja = self.directory / "chat_template.jinja"
+        if not isinstance(template, str) and jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        return template if isinstance(template, str) else None
+
+    def files(self, *, context_length: int) -> dict[str, str]:
+        """``{file name: text}`` of the package's tokenizer (tokenizer_config.json made when the directory has none)."""
+        files = {"tokenizer.json": (self.directory / "tokenizer.json").read_text(encoding="utf-8")}
+        f = self.directory / "tokenizer_config.json"
+        if f.is_file():
+            files["tokenizer_config.json"] = f.read_text(encoding="utf-8")
+        else:
+            files["tokenizer_config.json"] = json.dumps({"model_max_length": context_length,
+                                                         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)
+        template = self.chat_template()
+        if template:
+            files["chat_template.jinja"] = template
+        return files
+
+
 def tokenizer_files(tok: Any, *, chat_template: str | None, context_length: int) -> dict[str, str]:
-    """``{file name: text}``: tokenizer.json, tokenizer_config.json (and chat_template.jinja)."""
+    """``{file name: text}``: tokenizer.json, tokenizer_config.json (and chat_template.jinja); an
+    :class:`HFPackageTokenizer`'s own files (its directory's template, not ``chat_template``)."""
+    if isinstance(tok, HFPackageTokenizer):
+        return tok.files(context_length=context_length)
     def spell(i: Any) -> str | None:
         return None if i is None else tok.id_to_token(i)
     cfg = {"add_bos_token": bool(getattr(tok, "add_bos", False)), "add_eos_token": False,

@@ -1,0 +1,171 @@
+"""The exporters take an HF directory as ``--model`` and a saved ``--checkpoint`` (eqjax's Orbax checkpoint or a
+compressed-tensors directory), exported as saved: the same bytes as exporting with the recipe directly, never
+quantized again. ``search`` takes a float HF directory. Every bad input is one line, exit 2, before any output.
+
+Tiny models only: the robustness fixtures' HF directory (with a chat template and special-token ids added) and a
+GGUF whose widths are whole GGUF blocks (tests/io/test_gguf.py's writer)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+
+from eqjax.cli.main import main
+from tests.io.test_gguf import hf_weights, write_tiny
+from tests.robustness.robustness_fixtures import write_hf_model
+
+DIMS = (64, 96, 4, 2, 16, 1)  # D, F, HQ, HKV, HD, L: every width a multiple of 32 (GGUF blocks)
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpts")
+    tiny = write_hf_model(d / "tiny")
+    cfg = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 1, "eos_token_id": 2}))
+    (tiny / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 3]}))
+    (tiny / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "model_max_length": 128}))
+    write_hf_model(d / "other", hidden=32, intermediate=64)
+    g = write_tiny(d / "src.gguf", weights=hf_weights(dims=DIMS), dims=DIMS)
+    for argv in (["--model", str(tiny), "--recipe", "w4g128-rtn", "--out", str(d / "ck")],
+                 ["--model", str(tiny), "--recipe", "w4g128-rtn", "--format", "compressed-tensors", "--out", str(d / "ct")],
+                 ["--model", str(tiny), "--recipe", "kv4", "--out", str(d / "kv")],
+                 ["--model", str(tiny), "--recipe", "w3g128-rtn", "--out", str(d / "w3")],
+                 ["--model", str(g), "--recipe", "w4g128-rtn-sym", "--out", str(d / "gck")],
+                 ["--model", str(g), "--recipe", "w8a8-naive", "--out", str(d / "gw8a8")]):
+        assert main(["quantize", *argv]) == 0
+    (d / "file").write_text("x")
+    return {k: str(d / k) for k in ("tiny", "other", "ck", "ct", "kv", "w3", "gck", "gw8a8", "file")} | {"gguf": str(g)}
+
+
+@pytest.fixture(scope="module")
+def recipe_pkg(fx, tmp_path_factory):
+    """export-onnx of the HF directory with --recipe w4g128-rtn."""
+    out = tmp_path_factory.mktemp("pkg") / "p"
+    assert main(["export-onnx", "--model", fx["tiny"], "--recipe", "w4g128-rtn", "--out", str(out)]) == 0
+    return out
+
+
+def _initializers(pkg: pathlib.Path) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(pkg / "model.onnx"))
+    assert any(n.op_type == "MatMulNBits" for n in m.graph.node)
+    return {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+def _check_ok(pkg: pathlib.Path) -> dict:
+    man = json.loads((pkg / "eqjax_export.json").read_text())
+    assert man["check"]["max_rel_diff"] <= man["check"]["tolerance"] and man["check"]["top1_agreement"] > 0.9
+    return man
+
+
+def test_export_onnx_from_an_hf_directory_copies_its_tokenizer(fx, recipe_pkg):
+    """An HF --model: the package's tokenizer.json and tokenizer_config.json are the directory's, its chat template
+    is chat_template.jinja, genai_config's ids are config.json's overridden by generation_config.json's, and the
+    onnxruntime self-check (the prompt encoded by tokenizer.json) passes."""
+    src = pathlib.Path(fx["tiny"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (recipe_pkg / name).read_bytes() == (src / name).read_bytes()
+    assert (recipe_pkg / "chat_template.jinja").read_text() == TEMPLATE
+    genai = json.loads((recipe_pkg / "genai_config.json").read_text())["model"]
+    assert (genai["bos_token_id"], genai["eos_token_id"], genai["pad_token_id"]) == (1, [2, 3], 2)
+    assert _check_ok(recipe_pkg)["recipe"] == "w4g128-rtn"
+
+
+def test_export_onnx_orbax_checkpoint_is_the_recipe_export(fx, recipe_pkg, tmp_path, capsys, monkeypatch):
+    """``export-onnx --checkpoint`` of the checkpoint ``eqjax quantize`` saved: no quantizing, and the package's
+    graph and MatMulNBits initializers equal those of exporting with the recipe directly (same params)."""
+    import eqjax.cli.export as cli_export
+
+    monkeypatch.setattr(cli_export, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+    pkg = tmp_path / "p"
+    assert main(["export-onnx", "--model", fx["tiny"], "--checkpoint", fx["ck"], "--out", str(pkg)]) == 0
+    assert f"checkpoint {fx['ck']}, recipe w4g128-rtn" in capsys.readouterr().out
+    assert _check_ok(pkg)["recipe"] == "w4g128-rtn"
+    assert (pkg / "model.onnx").read_bytes() == (recipe_pkg / "model.onnx").read_bytes()
+    ours, theirs = _initializers(pkg), _initializers(recipe_pkg)
+    assert ours.keys() == theirs.keys() and all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_export_onnx_compressed_tensors_checkpoint(fx, tmp_path, monkeypatch):
+    """A compressed-tensors directory (``quantize --format compressed-tensors``) is its own model without --model
+    (tokenizer from its copied files) and loads into --model's shapes with it; both pass the self-check."""
+    import eqjax.cli.export as cli_export
+
+    monkeypatch.setattr(cli_export, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+    assert main(["export-onnx", "--checkpoint", fx["ct"], "--out", str(tmp_path / "own")]) == 0
+    assert _check_ok(tmp_path / "own")["recipe"] == "compressed-tensors"
+    assert (tmp_path / "own" / "tokenizer.json").read_bytes() == (pathlib.Path(fx["ct"]) / "tokenizer.json").read_bytes()
+    assert main(["export-onnx", "--model", fx["tiny"], "--checkpoint", fx["ct"], "--out", str(tmp_path / "m"),
+                 "--no-check"]) == 0
+    assert (tmp_path / "m" / "chat_template.jinja").read_text() == TEMPLATE
+
+
+def test_export_gguf_orbax_checkpoint_is_the_recipe_export(fx, tmp_path, capsys, monkeypatch):
+    """``export-gguf --checkpoint`` of a checkpoint made for the GGUF --model: the tensors (Q4_0 blocks) equal
+    those of ``export-gguf --recipe`` with the same recipe, with no quantizing on the checkpoint's way."""
+    import eqjax.cli.export as cli_export
+
+    assert main(["export-gguf", "--model", fx["gguf"], "--recipe", "w4g128-rtn-sym", "--out", str(tmp_path / "r.gguf")]) == 0
+    monkeypatch.setattr(cli_export, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+    assert main(["export-gguf", "--model", fx["gguf"], "--checkpoint", fx["gck"], "--out", str(tmp_path / "c.gguf")]) == 0
+    assert "recipe w4g128-rtn-sym, file type Q4_0" in capsys.readouterr().out
+    a, b = ({t.name: (t.tensor_type.name, np.asarray(t.data)) for t in gguf.GGUFReader(tmp_path / f).tensors}
+            for f in ("r.gguf", "c.gguf"))
+    assert a.keys() == b.keys() and a["blk.0.ffn_down.weight"][0] == "Q4_0"
+    assert all(a[k][0] == b[k][0] and np.array_equal(a[k][1], b[k][1]) for k in a)
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of a curve without evaluated points
+def test_search_takes_a_float_hf_directory(fx, tmp_path):
+    out = tmp_path / "s"
+    assert main(["search", "--model", fx["tiny"], "--budget-bits", "4", "--out", str(out), "--proxy", "weight",
+                 "--embedding", "none", "--calib-windows", "2", "--calib-len", "32", "--eval-windows", "0",
+                 "--pareto-bits", "4", "--baselines", ""]) == 0
+    assert json.loads((out / "rules.json").read_text())
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["export-onnx", "--model", "{tiny}", "--checkpoint", "{tiny}/nope"], r"checkpoint not found \(--checkpoint"),
+    (["export-onnx", "--model", "{tiny}", "--checkpoint", "{tiny}"], r"not a checkpoint .*found a float HF directory"),
+    (["export-onnx", "--model", "{tiny}", "--checkpoint", "{file}"], r"not a checkpoint .*found a file"),
+    (["export-onnx", "--model", "{tiny}", "--checkpoint", "{kv}"], r"KV cache .*'kv4'.*float KV cache"),
+    (["export-onnx", "--model", "{other}", "--checkpoint", "{ck}"], r"checkpoint made for another model"),
+    (["export-onnx", "--model", "{other}", "--checkpoint", "{ct}"], r"checkpoint made for another model"),
+    (["export-onnx", "--model", "{tiny}", "--checkpoint", "{w3}"], r"--checkpoint .*: layers_0/.*3-bit weights"),
+    (["export-onnx", "--model", "{tiny}", "--checkpoint", "{ck}", "--embedding", "int8"], r"--embedding with a checkpoint"),
+    (["export-onnx", "--model", "{ct}", "--recipe", "w8"], r"quantized model \(--model .*--checkpoint"),
+    (["export-onnx", "--model", "{file}", "--recipe", "w8"], r"unsupported model \(--model"),
+    (["export-gguf", "--model", "{gguf}", "--checkpoint", "{kv}"], r"KV cache .*weights only"),
+    (["export-gguf", "--model", "{gguf}", "--checkpoint", "{ck}"], r"checkpoint made for another model"),
+    (["export-gguf", "--model", "{gguf}", "--checkpoint", "{gw8a8}"],
+     r"GGUF file cannot hold \(--checkpoint .*layers_0/.*ActQuantKernel"),
+    (["export-gguf", "--model", "{tiny}", "--checkpoint", "{ck}"], r"export-gguf needs a \.gguf --model .*a directory"),
+    (["search", "--model", "{ct}", "--budget-bits", "4"], r"quantized model \(--model .*float weights for search"),
+])
+def test_bad_inputs_are_one_line_before_any_output(argv, match, fx, tmp_path, capsys):
+    import re
+
+    out = tmp_path / ("o.gguf" if argv[0] == "export-gguf" else "o")
+    assert main([*(a.format(**fx) for a in argv), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("eqjax: error:") and re.search(match, err[0]), err
+    assert not out.exists() or argv[0] == "search"
+
+
+@pytest.mark.parametrize("argv", [["export-onnx", "--recipe", "w8", "--checkpoint", "c", "--out", "o"],
+                                  ["export-gguf", "--recipe", "w8", "--checkpoint", "c", "--out", "o.gguf"],
+                                  ["export-gguf", "--out", "o.gguf"]])
+def test_checkpoint_and_recipe_are_one_or_the_other(argv, capsys):
+    """--checkpoint with --recipe is a usage error; export-gguf needs one of them, export-onnx defaults to --recipe fp."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and ("not allowed with" in err or "one of the arguments" in err)

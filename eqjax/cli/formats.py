@@ -1,5 +1,6 @@
-"""Checkpoint formats of ``eqjax quantize --format`` and ``eqjax eval --checkpoint``: eqjax's Orbax checkpoint, or
-a compressed-tensors HF directory (:mod:`eqjax.io.compressed_tensors`) that vLLM and transformers load."""
+"""Checkpoint formats of ``eqjax quantize --format`` and ``eqjax eval --checkpoint``: eqjax's Orbax checkpoint, a
+compressed-tensors HF directory (:mod:`eqjax.io.compressed_tensors`) that vLLM and transformers load, or a GPTQ
+HF directory (:mod:`eqjax.io.gptq`)."""
 
 from __future__ import annotations
 
@@ -20,20 +21,23 @@ from eqjax.io.compressed_tensors import (
     save_compressed_tensors,
 )
 from eqjax.io.gguf import default_model_path, read_metadata
+from eqjax.io.gptq import GPTQ_FORMAT, is_gptq, load_gptq, save_gptq
+from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.io.hf import FILE_DTYPES
 from eqjax.io.orbax import CHECKPOINT_ENTRIES
 
 __all__ = ["FORMATS", "add_format_args", "check_format", "replaceable", "save_in_format", "is_hf_quantized",
            "load_hf_quantized"]
 
-FORMATS = ("orbax", FORMAT)
+FORMATS = ("orbax", FORMAT, GPTQ_FORMAT)
 
 
 def add_format_args(p: Any) -> None:
     """``--format`` and ``--dtype`` of ``eqjax quantize``."""
     p.add_argument("--format", choices=FORMATS, default="orbax",
                    help="orbax: eqjax's checkpoint (every recipe; 'eqjax eval --checkpoint' reads it); compressed-tensors: "
-                        "an HF directory vLLM, SGLang and transformers load (4/8-bit weights, int8 W8A8)")
+                        "an HF directory vLLM, SGLang and transformers load (4/8-bit weights, int8 W8A8); gptq: the "
+                        "GPTQ layout (qweight / qzeros / scales / g_idx; 4/8-bit weight-only groups)")
     p.add_argument("--dtype", choices=FILE_DTYPES, default="bfloat16",
                    help="compressed-tensors: the dtype of float tensors and scales in the files (default bfloat16)")
 
@@ -42,11 +46,13 @@ def check_format(fmt: str, recipe: Any) -> None:
     """Refuse, before any work, a recipe the output format cannot hold (naming recipe, format and why)."""
     if fmt == FORMAT:
         check_recipe(recipe)
+    elif fmt == GPTQ_FORMAT:
+        check_gptq_recipe(recipe)
 
 
 def replaceable(fmt: str) -> tuple[str, ...]:
     """Entries of an existing output directory that a new checkpoint of ``fmt`` replaces by name."""
-    return (*TOKENIZER_FILES, "config.json", "model.safetensors") if fmt == FORMAT else CHECKPOINT_ENTRIES
+    return (*TOKENIZER_FILES, "config.json", "model.safetensors") if fmt != "orbax" else CHECKPOINT_ENTRIES
 
 
 def _tokenizer(model_path: str | None, tok: Any, config: Any) -> tuple[dict[str, str], pathlib.Path | None, dict]:
@@ -69,6 +75,10 @@ def save_in_format(fmt: str, out: str, setup: Any, qparams: Any, *, model_path: 
                    overwrite: bool) -> str:
     """Write ``qparams`` as a ``fmt`` checkpoint (non-Orbax formats only); returns a one-line summary."""
     files, copy_from, ids = _tokenizer(model_path, setup.tokenizer, setup.model.config)
+    if fmt == GPTQ_FORMAT:
+        info = save_gptq(out, setup.model, qparams, files=files, copy_from=copy_from, extra_config=ids, overwrite=overwrite)
+        kind = "sym" if info["sym"] else "asym"
+        return f"saved {info['path']} (gptq: int{info['bits']} g{info['group_size']} {kind}, {info['bytes'] / 2**20:.1f} MiB)"
     info = save_compressed_tensors(out, setup.model, qparams, dtype=dtype, files=files, copy_from=copy_from,
                                    extra_config=ids, overwrite=overwrite)
     fmts = sorted({s["format"] for s in info["schemes"].values()})
@@ -78,13 +88,13 @@ def save_in_format(fmt: str, out: str, setup: Any, qparams: Any, *, model_path: 
 
 
 def is_hf_quantized(path: str | None) -> bool:
-    """Whether ``path`` is an HF directory holding a compressed-tensors checkpoint."""
-    return path is not None and pathlib.Path(path).is_dir() and is_compressed_tensors(path)
+    """Whether ``path`` is an HF directory holding a compressed-tensors or GPTQ checkpoint."""
+    return path is not None and pathlib.Path(path).is_dir() and (is_compressed_tensors(path) or is_gptq(path))
 
 
 def load_hf_quantized(path: str, model: Any, params: Any) -> Any:
-    """The quantized params of the compressed-tensors directory ``path``, checked against ``model``'s params."""
-    loaded_model, qparams = load_compressed_tensors(path)
+    """The quantized params of the compressed-tensors or GPTQ directory ``path``, checked against ``model``'s params."""
+    loaded_model, qparams = load_gptq(path) if is_gptq(path) else load_compressed_tensors(path)
     def shapes(tree: Any) -> Any:
         return jax.tree.map(lambda x: tuple(x.shape), tree, is_leaf=lambda x: hasattr(x, "shape"))
 

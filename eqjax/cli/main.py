@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--recipe", help="built-in recipe name or a .toml/.json recipe file")
     g.add_argument("--checkpoint", help="evaluate a checkpoint: eqjax's Orbax checkpoint (made for --model) or a "
-                                        "compressed-tensors HF directory (its own model unless --model is given)")
+                                        "compressed-tensors or GPTQ HF directory (its own model unless --model is given)")
     p.add_argument("--json", default=None, help="write the result object here")
     p.add_argument("--also-eval", action="append", default=[], choices=("news",),
                    help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
@@ -334,7 +334,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     manifest = None
     hf_quantized = is_hf_quantized(args.checkpoint)
     if hf_quantized:
-        recipe = Recipe("checkpoint", (), f"compressed-tensors checkpoint {args.checkpoint}")
+        recipe = Recipe("checkpoint", (), f"HF quantized checkpoint {args.checkpoint}")
     elif args.checkpoint:
         manifest = read_manifest(args.checkpoint)
         recipe = None
@@ -507,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handlers[args.command](args) or 0)
     except SystemExit:
         raise
+    except BrokenPipeError:  # the reader of stdout went away (`eqjax recipes | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except BaseException as e:  # noqa: BLE001 - the one place every error becomes a line and an exit code
         if debug:
             traceback.print_exc()

@@ -31,6 +31,8 @@ from eqjax.export.package import check_recipe
 from eqjax.io.compressed_tensors import FORMAT as CT_FORMAT
 from eqjax.io.compressed_tensors import check_recipe as check_ct_recipe
 from eqjax.io.gguf_write import check_gguf_recipe
+from eqjax.io.gptq import GPTQ_FORMAT
+from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.methods.awq import AWQ
 from eqjax.methods.halffloat import HALF_KINDS, HalfFloats
 from eqjax.methods.lkd import ZeroQuantLKD
@@ -44,7 +46,7 @@ __all__ = ["FORMAT_CHECKS", "REFERENCE_SHAPES", "add_recipes_args", "bits_per_we
            "recipe_rows", "recipes_main", "spec_bits", "suffix_rows"]
 
 FORMAT_CHECKS: dict[str, Callable[[Recipe], None] | None] = {"orbax": None, "onnx": check_recipe, "gguf": check_gguf_recipe,
-                                                             CT_FORMAT: check_ct_recipe}
+                                                             CT_FORMAT: check_ct_recipe, GPTQ_FORMAT: check_gptq_recipe}
 """Output format -> its recipe check (raises an :class:`InputError` for a recipe it cannot hold; None: any)."""
 
 REFERENCE_SHAPES: dict[str, tuple[int, int]] = {

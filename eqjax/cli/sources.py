@@ -11,7 +11,9 @@ from typing import Any
 
 from eqjax.cli.formats import is_hf_quantized, load_hf_quantized
 from eqjax.core.errors import CompatibilityError, InputError
+from eqjax.io.compressed_tensors import FORMAT as CT_FORMAT
 from eqjax.io.gguf import default_model_path
+from eqjax.io.gptq import GPTQ_FORMAT, is_gptq
 from eqjax.io.hf import CheckpointError
 from eqjax.io.load import load_model
 from eqjax.io.orbax import is_partial_checkpoint, load_quantized, read_manifest
@@ -19,7 +21,7 @@ from eqjax.io.orbax import is_partial_checkpoint, load_quantized, read_manifest
 __all__ = ["Source", "CHECKPOINT_KINDS", "check_model_source", "check_checkpoint", "load_source",
            "checkpoint_params", "max_context"]
 
-CHECKPOINT_KINDS = "an eqjax Orbax checkpoint (eqjax quantize) or a compressed-tensors HF directory"
+CHECKPOINT_KINDS = "an eqjax Orbax checkpoint (eqjax quantize) or an HF quantized directory (compressed-tensors, GPTQ)"
 
 
 @dataclasses.dataclass
@@ -101,9 +103,10 @@ def checkpoint_params(checkpoint: str, manifest: dict[str, Any] | None, source: 
     ``source``'s model: an Orbax checkpoint made for another model or a compressed-tensors directory of other
     shapes is a CompatibilityError naming the key or parameter."""
     if manifest is None:
+        kind = GPTQ_FORMAT if is_gptq(checkpoint) else CT_FORMAT
         if source.path == str(checkpoint):
-            return source.params, "compressed-tensors"
-        return load_hf_quantized(checkpoint, source.model, source.params), "compressed-tensors"
+            return source.params, kind
+        return load_hf_quantized(checkpoint, source.model, source.params), kind
     params, manifest = load_quantized(checkpoint, model=source.model)
     return params, str(manifest.get("recipe") or "checkpoint")
 

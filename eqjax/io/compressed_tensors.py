@@ -30,14 +30,12 @@ import json
 import math
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.errors import CompatibilityError
 from eqjax.core.numerics import codes, pack
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
 from eqjax.io.atomic import atomic_directory
@@ -51,83 +49,31 @@ from eqjax.io.hf import (
     untied,
     write_safetensors,
 )
+from eqjax.io.hf_quantized import (
+    TOKENIZER_FILES,
+    WEIGHT_BITS,
+    FormatError,
+    copy_tokenizer,
+    pack_int32,
+    recipe_refusal,
+    unpack_int32,
+)
 from eqjax.models import Model
 
 __all__ = ["FORMAT", "FormatError", "check_recipe", "is_compressed_tensors", "load_compressed_tensors",
-           "save_compressed_tensors", "TOKENIZER_FILES"]
+           "save_compressed_tensors", "TOKENIZER_FILES", "WEIGHT_BITS"]
 
 FORMAT = "compressed-tensors"
-WEIGHT_BITS = (4, 8)
-"""Weight widths written: the ones vLLM's and transformers' compressed-tensors kernels take."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt")
-"""Files copied from a source HF directory beside the weights."""
-
-
-class FormatError(CompatibilityError):
-    """A recipe, a param or a checkpoint the compressed-tensors format cannot hold or eqjax cannot read."""
-
-
-def _steps(steps: Any) -> Any:
-    for step in steps:
-        yield step
-        yield from _steps(getattr(step, "then", ()))
 
 
 def check_recipe(recipe: Any) -> None:
     """Refuse, before any work, a recipe whose result the format cannot hold, naming the recipe and why:
-    KV-cache quantization, online rotations, widths other than 4 / 8 bits, activations other than int8,
-    quantized embeddings."""
-    name = getattr(recipe, "name", str(recipe))
-    why = f"recipe {name!r} cannot be written as {FORMAT}: "
-    if getattr(recipe, "kv", None) is not None:
-        raise FormatError(why + "it quantizes the KV cache at run time, which the format's checkpoints do not carry "
-                          "for eqjax's KV scheme (write a recipe without 'kv')")
-    if not getattr(recipe, "steps", ()):
-        raise FormatError(why + "it quantizes no weight (the format holds quantized checkpoints; write float weights "
-                          "as an HF directory with eqjax.io.hf.save_hf_checkpoint)")
-    for step in _steps(getattr(recipe, "steps", ())):
-        if getattr(step, "online_down", False):
-            raise FormatError(why + "it rotates down_proj's input online (a Hadamard at run time), which the format "
-                              "has no op for (rotations folded into the weights are fine)")
-        if str(getattr(step, "name", "")).startswith("embedding-"):
-            raise FormatError(why + "it quantizes the embedding table, which the format's loaders keep in float")
-        specs = [(getattr(r.weight, "bits", None), r.act_bits) for r in getattr(step, "rules", ())
-                 if getattr(r, "weight", None) is not None]
-        if hasattr(step, "bits"):
-            specs.append((step.bits, getattr(step, "act_bits", None)))
-        for bits, act in specs:
-            if bits is not None and bits not in WEIGHT_BITS:
-                raise FormatError(why + f"it makes {bits}-bit weights; the format's kernels take 4 or 8 bits")
-            if act is not None and act != 8:
-                raise FormatError(why + f"it quantizes activations to {act} bits; the format's integer activations are int8")
-            if act is not None and bits is not None and bits != 8:
-                raise FormatError(why + f"it pairs {bits}-bit weights with int8 activations; the format's integer "
-                                  "activation layout (int-quantized) holds int8 weights")
+    KV-cache quantization, online rotations, widths other than 4 / 8 bits, activations other than int8 (with
+    int8 weights), quantized embeddings, no weight quantization."""
+    recipe_refusal(recipe, FORMAT, activations=True)
 
 
 # ------------------------------------------------------------------------------------------- packing
-
-
-def _pack32(u: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned codes ``[rows, n]`` -> int32 words ``[rows, ceil(n * bits / 32)]``, first code lowest."""
-    per = 32 // bits
-    rows, n = u.shape
-    padded = np.zeros((rows, -(-n // per) * per), np.uint32)
-    padded[:, :n] = u
-    g = padded.reshape(rows, -1, per)
-    words = np.zeros(g.shape[:2], np.uint32)
-    for j in range(per):
-        words |= g[:, :, j] << np.uint32(bits * j)
-    return words.view(np.int32)
-
-
-def _unpack32(words: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """Inverse of :func:`_pack32`: unsigned codes ``[rows, n]`` (uint8)."""
-    per = 32 // bits
-    w = words.view(np.uint32)
-    out = np.stack([(w >> np.uint32(bits * j)) & np.uint32(2**bits - 1) for j in range(per)], axis=-1)
-    return out.reshape(w.shape[0], -1)[:, :n].astype(np.uint8)
 
 
 # --------------------------------------------------------------------------------------------- writing
@@ -211,14 +157,14 @@ def _encode(name: str, parts: list[Any], dtype: str) -> tuple[dict[str, np.ndarr
         out[f"{stem}.weight"] = np.ascontiguousarray((u.astype(np.int32) - 128).astype(np.int8))
         out[f"{stem}.weight_scale"] = scale
         return out, {**scheme, "format": "int-quantized"}
-    out[f"{stem}.weight_packed"] = np.ascontiguousarray(_pack32(u, weights["num_bits"]))
+    out[f"{stem}.weight_packed"] = np.ascontiguousarray(pack_int32(u, weights["num_bits"]))
     out[f"{stem}.weight_scale"] = scale
     out[f"{stem}.weight_shape"] = np.asarray(u.shape, np.int64)
     if not weights["symmetric"] and weights["strategy"] == "tensor":  # one signed zero point, not packed
         out[f"{stem}.weight_zero_point"] = (sz[0][1].astype(np.int32) - 2 ** (qs[0].bits - 1)).astype(np.int8)
     elif not weights["symmetric"]:  # packed along out, as the format's group and channel zero points
         zp = np.concatenate([z for _, z in sz], axis=0)
-        out[f"{stem}.weight_zero_point"] = np.ascontiguousarray(_pack32(zp.T, weights["num_bits"]).T)
+        out[f"{stem}.weight_zero_point"] = np.ascontiguousarray(pack_int32(zp.T, weights["num_bits"]).T)
     return out, {**scheme, "format": "pack-quantized"}
 
 
@@ -295,14 +241,9 @@ def save_compressed_tensors(
     if getattr(config, "tie_word_embeddings", False):  # the head is the (float) embedding table
         float_linears.append("lm_head")
     hf_cfg["quantization_config"] = quantization_config(schemes, float_linears)
-    src = Path(copy_from) if copy_from is not None else None
     with atomic_directory(directory, overwrite=overwrite, kind=FORMAT) as tmp:
         write_safetensors(tmp / "model.safetensors", tensors)
-        for name in TOKENIZER_FILES if src is not None else ():
-            if (src / name).is_file():
-                shutil.copyfile(src / name, tmp / name)
-        for name, content in (files or {}).items():
-            (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+        copy_tokenizer(tmp, copy_from, files)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
     root = Path(directory)
     size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
@@ -380,7 +321,7 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         shape = tuple(int(x) for x in np.asarray(need("weight_shape")).reshape(-1))
         if shape != (n_out, n_in):
             raise FormatError(f"{where}.weight_shape: {shape}, config.json implies {(n_out, n_in)}")
-        u = _unpack32(packed, bits, n_in)
+        u = unpack_int32(packed, bits, n_in)
     scale = np.asarray(need("weight_scale")).astype(np.float32)
     groups = {"group": -(-n_in // int(w.get("group_size") or 1)), "channel": 1, "tensor": 1}.get(strategy)
     if groups is None:
@@ -400,7 +341,7 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         zraw = need("weight_zero_point")
         used.add(f"{stem}.weight_zero_point")
         if fmt == "pack-quantized" and zraw.dtype == np.int32:
-            zp = _unpack32(np.ascontiguousarray(zraw.T), bits, n_out).T
+            zp = unpack_int32(np.ascontiguousarray(zraw.T), bits, n_out).T
         else:
             zp = (np.asarray(zraw).astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8)
         if strategy == "tensor":

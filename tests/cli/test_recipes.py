@@ -19,6 +19,7 @@ from eqjax.core.qarray import QArray, per_channel, per_group
 from eqjax.export.package import check_recipe
 from eqjax.io.compressed_tensors import check_recipe as check_ct_recipe
 from eqjax.io.gguf_write import check_gguf_recipe
+from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.models import LlamaConfig, Model
 from eqjax.recipes.apply import quantize as quantize_params
 from eqjax.recipes.registry import RECIPES, SUFFIXES, get_recipe
@@ -91,7 +92,8 @@ def test_json_lists_the_formats_whose_checks_accept_each_recipe(capsys):
     rows = _json(capsys, ["recipes", "--json"])
     assert [r["name"] for r in rows] == list(RECIPES)
     for r in rows:
-        checks = (("onnx", check_recipe), ("gguf", check_gguf_recipe), ("compressed-tensors", check_ct_recipe))
+        checks = (("onnx", check_recipe), ("gguf", check_gguf_recipe), ("compressed-tensors", check_ct_recipe),
+                  ("gptq", check_gptq_recipe))
         want = ["orbax"] + [f for f, c in checks if _accepts(c, r["name"])]
         assert r["formats"] == want, r["name"]
     by = {r["name"]: r for r in rows}
@@ -108,3 +110,15 @@ def test_filter_and_debug(capsys):
     assert main(["recipes", "no-such-recipe"]) == 0
     assert "no built-in recipe name contains 'no-such-recipe'" in capsys.readouterr().out
     assert "recipes" in build_parser().format_help()
+
+
+def test_a_closed_pipe_ends_the_listing_quietly():
+    """``eqjax recipes | head -1``: the reader leaves after one line; eqjax exits 0 with nothing on stderr."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "eqjax.cli", "recipes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0 and first.startswith(b"recipe") and err == b""

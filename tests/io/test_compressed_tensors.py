@@ -27,13 +27,12 @@ from eqjax.core.numerics import dequantize_leaf  # noqa: E402
 from eqjax.core.qarray import ActQuantKernel, QArray  # noqa: E402
 from eqjax.io.compressed_tensors import (  # noqa: E402
     FormatError,
-    _pack32,
-    _unpack32,
     check_recipe,
     load_compressed_tensors,
     save_compressed_tensors,
 )
 from eqjax.io.hf import load_hf_checkpoint  # noqa: E402
+from eqjax.io.hf_quantized import pack_int32, unpack_int32  # noqa: E402
 from eqjax.recipes.apply import quantize  # noqa: E402
 from eqjax.recipes.registry import get_recipe  # noqa: E402
 
@@ -81,9 +80,9 @@ def _dequantized(tree):
 def test_packing_is_the_librarys(bits: int, shape: tuple[int, int]) -> None:
     u = np.random.default_rng(bits).integers(0, 2**bits, shape).astype(np.uint8)
     signed = torch.tensor(u.astype(np.int32) - 2 ** (bits - 1), dtype=torch.int8)
-    assert np.array_equal(_pack32(u, bits), pack_to_int32(signed, bits).numpy())
-    assert np.array_equal(_pack32(u.T, bits).T, pack_to_int32(signed, bits, packed_dim=0).numpy())
-    assert np.array_equal(_unpack32(_pack32(u, bits), bits, shape[1]), u)
+    assert np.array_equal(pack_int32(u, bits), pack_to_int32(signed, bits).numpy())
+    assert np.array_equal(pack_int32(u.T, bits).T, pack_to_int32(signed, bits, packed_dim=0).numpy())
+    assert np.array_equal(unpack_int32(pack_int32(u, bits), bits, shape[1]), u)
 
 
 @pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])

@@ -1,0 +1,217 @@
+"""GPTQ-format checkpoints (AutoGPTQ / GPTQModel layout, also written by AutoRound's ``auto_gptq`` export).
+
+A directory holds config.json with ``quantization_config: {quant_method: gptq, bits, group_size, sym,
+desc_act, checkpoint_format}`` and, per quantized linear ``P`` (HF weight ``[out, in]``):
+
+* ``P.qweight`` int32 ``[in * bits / 32, out]``: codes packed along ``in``, ``32 / bits`` a word, first lowest;
+* ``P.qzeros`` int32 ``[groups, out * bits / 32]``: zero points packed along ``out``; checkpoint format
+  ``gptq`` (v1) stores ``zero - 1``, ``gptq_v2`` the zero itself;
+* ``P.scales`` float16 ``[groups, out]``; ``P.g_idx`` int32 ``[in]``: each input's group.
+
+``x = scale[g_idx[k]] * (q - zero[g_idx[k]])`` with unsigned codes: eqjax's codes and zero points are the
+stored values as they are (plus v1's offset), so nothing is dequantized on the way in or out. Groups are
+``g_idx = k // group_size`` (a shorter last group where ``group_size`` does not divide ``in``, as eqjax's);
+activation-ordered groups (``desc_act`` with a permuted ``g_idx``) are refused on reading. Widths 4 and 8
+bits (the ones packed whole into words). Written in v1 (what AutoGPTQ, transformers' GPTQ integration and
+vLLM read), which cannot hold a zero point of 0: such a weight is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from eqjax.core.numerics import codes, pack
+from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_group, validate
+from eqjax.io.atomic import atomic_directory
+from eqjax.io.hf import HFTensor, assemble_params, cast_float, float_tensors, hf_config_dict, read_checkpoint, untied, write_safetensors
+from eqjax.io.hf_quantized import FormatError, copy_tokenizer, pack_int32, recipe_refusal, unpack_int32
+from eqjax.models import Model
+
+__all__ = ["GPTQ_FORMAT", "check_recipe", "is_gptq", "load_gptq", "save_gptq"]
+
+GPTQ_FORMAT = "gptq"
+BITS = (4, 8)
+
+
+def check_recipe(recipe: Any) -> None:
+    """Refuse, before any work, a recipe whose weights the GPTQ layout cannot hold: anything but weight-only
+    4/8-bit weights in input groups (naming the recipe and why)."""
+    recipe_refusal(recipe, GPTQ_FORMAT, activations=False)
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def _encode(t: HFTensor, parts: list[Any], dtype: str) -> tuple[dict[str, np.ndarray], tuple[int, int, bool]]:
+    stem = t.name[: -len(".weight")]
+    for q in parts:
+        if not isinstance(q, QArray):
+            raise FormatError(f"{'/'.join(t.paths[0])}: a {type(q).__name__}; the {GPTQ_FORMAT} layout holds weight-only "
+                              "QArrays")
+    q0 = parts[0]
+    g = q0.granularity.normalized(2)
+    if q0.bits not in BITS or g.kind != "group" or g.axes != (0,):
+        raise FormatError(f"{t.name} ({GPTQ_FORMAT}): int{q0.bits} {q0.granularity}; the layout holds 4/8-bit weights "
+                          "in groups along the input")
+    if any((q.bits, q.symmetric, q.granularity) != (q0.bits, q0.symmetric, q0.granularity) for q in parts):
+        raise FormatError(f"{t.name} ({GPTQ_FORMAT}): fused parts quantized differently")
+    bits, size, k = q0.bits, g.group_size, q0.shape[0]
+    u = np.concatenate([np.asarray(codes(q)).astype(np.uint8) if q.packed or not q.symmetric
+                        else (np.asarray(codes(q)).astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8) for q in parts],
+                       axis=1)  # [in, out], unsigned
+    zp = np.concatenate([np.asarray(q.effective_zero_point) for q in parts], axis=1)
+    if not q0.packed and q0.symmetric:
+        zp = zp + 2 ** (bits - 1)
+    if (zp == 0).any():
+        raise FormatError(f"{t.name} ({GPTQ_FORMAT}): a zero point of 0, which the v1 layout (zero - 1) cannot hold")
+    scale = np.concatenate([np.asarray(q.scale, np.float32) for q in parts], axis=1)
+    out = {f"{stem}.qweight": np.ascontiguousarray(pack_int32(u.T, bits).T),
+           f"{stem}.qzeros": np.ascontiguousarray(pack_int32((zp - 1).astype(np.uint8), bits)),
+           f"{stem}.scales": cast_float(scale, dtype),
+           f"{stem}.g_idx": (np.arange(k) // size).astype(np.int32)}
+    return out, (bits, size, bool(q0.symmetric))
+
+
+def save_gptq(directory: str | os.PathLike[str], model: Model, params: Mapping[str, Any], *,
+              files: Mapping[str, str | bytes] | None = None, copy_from: str | os.PathLike[str] | None = None,
+              extra_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Write ``params`` (weight-only QArrays, one bit width, group size and symmetry for every quantized
+    linear; float elsewhere) as a GPTQ directory: scales float16, float tensors float16 (the layout's
+    convention). ``files`` / ``copy_from`` / ``extra_config`` / ``overwrite`` as for
+    :func:`eqjax.io.compressed_tensors.save_compressed_tensors`. Returns ``{"path", "bytes", "bits",
+    "group_size", "sym"}``; a leaf the layout cannot hold is a :class:`FormatError` naming it, before any write."""
+    config = untied(model.config, params)
+    schemes: set[tuple[int, int, bool]] = set()
+    skipped: list[str] = []
+
+    def write(t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
+        if not any(isinstance(x, (QArray, ActQuantKernel, RotatedKernel)) for x in leaves):
+            if t.transposed and len(t.hf_shape) == 2:
+                skipped.append(t.name[: -len(".weight")])
+            return None
+        tensors, scheme = _encode(t, leaves, file_dtype)
+        schemes.add(scheme)
+        return tensors
+
+    tensors = float_tensors(config, params, "float16", write=write)
+    if len(schemes) != 1:
+        found = "none" if not schemes else ", ".join(f"int{b} g{g} {'sym' if s else 'asym'}" for b, g, s in sorted(schemes))
+        raise FormatError(f"{GPTQ_FORMAT}: expected one bit width, group size and symmetry for every quantized linear "
+                          f"(the layout's config holds one), found {found}")
+    ((bits, size, sym),) = schemes
+    hf_cfg = hf_config_dict(config, "float16", extra_config)
+    hf_cfg["quantization_config"] = {"quant_method": GPTQ_FORMAT, "bits": bits, "group_size": size, "sym": sym,
+                                     "desc_act": False, "checkpoint_format": "gptq", "true_sequential": True,
+                                     "damp_percent": 0.01, "modules_in_block_to_quantize": None,
+                                     "lm_head": "lm_head" not in skipped and not config.tie_word_embeddings}
+    with atomic_directory(directory, overwrite=overwrite, kind=GPTQ_FORMAT) as tmp:
+        write_safetensors(tmp / "model.safetensors", tensors)
+        copy_tokenizer(tmp, copy_from, files)
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    root = Path(directory)
+    size_b = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    return {"path": str(root), "bytes": size_b, "bits": bits, "group_size": size, "sym": sym}
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def is_gptq(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory``'s config.json declares a GPTQ quantization."""
+    try:
+        qc = json.loads((Path(directory) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == GPTQ_FORMAT
+
+
+def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path]
+            ) -> tuple[list[Any], set[str]]:
+    stem = t.name[: -len(".weight")]
+    where = f"{origin.get(stem + '.qweight', '?')}: {stem}"
+    bits, size = int(qc["bits"]), int(qc["group_size"])
+    n_out, n_in = t.hf_shape
+    size = n_in if size <= 0 else size
+    groups = -(-n_in // size)
+    names = {f"{stem}.{n}" for n in ("qweight", "qzeros", "scales", "g_idx")}
+
+    def need(name: str, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        a = tensors.get(f"{stem}.{name}")
+        if a is None:
+            raise FormatError(f"{where}: tensor {stem}.{name} is missing ({GPTQ_FORMAT} layout)")
+        if a.dtype != dtype or tuple(a.shape) != shape:
+            raise FormatError(f"{where}.{name}: expected {np.dtype(dtype).name} {shape}, found {a.dtype.name} {tuple(a.shape)}")
+        return a
+
+    per = 32 // bits
+    u = unpack_int32(np.ascontiguousarray(need("qweight", np.int32, (-(-n_in // per), n_out)).T), bits, n_in).T  # [in, out]
+    zs = unpack_int32(need("qzeros", np.int32, (groups, -(-n_out // per))), bits, n_out)
+    scale = np.asarray(tensors.get(f"{stem}.scales", np.zeros(0))).astype(np.float32)
+    if scale.shape != (groups, n_out):
+        raise FormatError(f"{where}.scales: expected shape {(groups, n_out)}, found {scale.shape}")
+    if f"{stem}.g_idx" in tensors and not np.array_equal(tensors[f"{stem}.g_idx"], np.arange(n_in) // size):
+        raise FormatError(f"{where}.g_idx: activation-ordered groups (desc_act); eqjax's group layout holds "
+                          "contiguous groups only")
+    zp = zs.astype(np.int32) + (1 if qc.get("checkpoint_format", "gptq") == "gptq" else 0)
+    if zp.max(initial=0) > 2**bits - 1:
+        raise FormatError(f"{where}.qzeros: a zero point of {2**bits} (a v1 checkpoint's wrapped zero of 0), outside "
+                          f"the {bits}-bit codes")
+    u, zp, scale = _positive_scales(u, zp, scale, size, bits)
+    sym = bool(qc.get("sym", False)) and bits <= 4 and bool((zp == 2 ** (bits - 1)).all())
+    gran = per_group(0, size)
+    parts, ends = [], np.cumsum([s[-1] for s in t.shapes])[:-1]
+    for path, cols in zip(t.paths, np.split(np.arange(n_out), ends)):
+        uu, ss, zz = u[:, cols], scale[:, cols], zp[:, cols].astype(np.uint8)
+        values = np.asarray(pack(jnp.asarray(uu), bits, 0)) if bits <= 4 else uu
+        q = QArray(jnp.asarray(values), jnp.asarray(ss), None if sym else jnp.asarray(zz), bits, sym, gran, uu.shape)
+        try:
+            parts.append(validate(q, name=f"{'/'.join(path)} ({where})"))
+        except ValueError as e:
+            raise FormatError(f"{'/'.join(path)} ({where}): {e}") from None
+    return parts, names & set(tensors)
+
+
+def _positive_scales(u: np.ndarray, zp: np.ndarray, scale: np.ndarray, size: int, bits: int = 4
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same values with every scale > 0, as eqjax stores them. Some writers (AutoRound's symmetric
+    rounding) store negative scales: ``(q - z) s == ((m - q) - (m - z)) (-s)`` with ``m = 2**bits - 1`` flips
+    the codes of such a group exactly; a zero scale (an all-zero group) becomes 1 with every code on its zero."""
+    m = 2**bits - 1
+    rows = np.arange(u.shape[0]) // size
+    neg = scale < 0
+    u = np.where(neg[rows], m - u.astype(np.int32), u).astype(np.int32)
+    zp = np.where(neg, m - zp, zp)
+    zero = scale == 0
+    u = np.where(zero[rows], zp[rows], u)
+    return u.astype(np.uint8), zp, np.where(zero, 1.0, np.abs(scale)).astype(np.float32)
+
+
+def load_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
+    """``(Model, params)`` of a GPTQ directory: its quantized linears as QArrays from the stored integers, the
+    rest float (``dtype``). Raises :class:`FormatError` naming the file and tensor for what eqjax cannot hold
+    (2/3-bit, activation-ordered groups, a malformed tensor)."""
+    root = Path(directory)
+    config, raw, tensors, origin = read_checkpoint(root)
+    qc = raw.get("quantization_config") or {}
+    where = f"{root / 'config.json'}: quantization_config"
+    if qc.get("bits") not in BITS:
+        raise FormatError(f"{where}: bits {qc.get('bits')!r}; eqjax reads 4- and 8-bit GPTQ checkpoints")
+    if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+        raise FormatError(f"{where}: checkpoint_format {qc.get('checkpoint_format')!r}; eqjax reads gptq and gptq_v2")
+    if not isinstance(qc.get("group_size"), int):
+        raise FormatError(f"{where}: expected an integer group_size, found {qc.get('group_size')!r}")
+
+    def take(t: HFTensor) -> tuple[list[Any], set[str]] | None:
+        stem = t.name[: -len(".weight")]
+        if not t.name.endswith(".weight") or f"{stem}.qweight" not in tensors:
+            return None
+        return _decode(t, qc, tensors, origin)
+
+    return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)
+

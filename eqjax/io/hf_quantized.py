@@ -1,0 +1,98 @@
+"""What the Hugging Face quantized formats (:mod:`eqjax.io.compressed_tensors`, :mod:`eqjax.io.gptq`) share:
+their error, the recipe pre-check, and the tokenizer files written beside the weights."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from eqjax.core.errors import CompatibilityError
+
+__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "pack_int32", "unpack_int32"]
+
+WEIGHT_BITS = (4, 8)
+"""Weight widths written: the ones the formats' kernels (vLLM, transformers, GPTQ) take."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt")
+"""Files copied from a source HF directory beside the weights."""
+
+
+class FormatError(CompatibilityError):
+    """A recipe, a param or a checkpoint an HF quantized format cannot hold or eqjax cannot read."""
+
+
+def _steps(steps: Any) -> Iterator[Any]:
+    for step in steps:
+        yield step
+        yield from _steps(getattr(step, "then", ()))
+
+
+def recipe_refusal(recipe: Any, fmt: str, *, activations: bool) -> None:
+    """Refuse, before any work, a recipe whose result ``fmt`` cannot hold, naming the recipe, the format and
+    why: no weight quantization, KV-cache quantization, online rotations, quantized embeddings, widths other
+    than 4 / 8 bits, and activation quantization (``activations``: int8 activations with int8 weights only)."""
+    name = getattr(recipe, "name", str(recipe))
+    why = f"recipe {name!r} cannot be written as {fmt}: "
+    if getattr(recipe, "kv", None) is not None:
+        raise FormatError(why + "it quantizes the KV cache at run time, which the format's checkpoints do not carry "
+                          "for eqjax's KV scheme (write a recipe without 'kv')")
+    if not getattr(recipe, "steps", ()):
+        raise FormatError(why + "it quantizes no weight (the format holds quantized checkpoints; write float weights "
+                          "as an HF directory with eqjax.io.hf.save_hf_checkpoint)")
+    for step in _steps(getattr(recipe, "steps", ())):
+        if getattr(step, "online_down", False):
+            raise FormatError(why + "it rotates down_proj's input online (a Hadamard at run time), which the format "
+                              "has no op for (rotations folded into the weights are fine)")
+        if str(getattr(step, "name", "")).startswith("embedding-"):
+            raise FormatError(why + "it quantizes the embedding table, which the format's loaders keep in float")
+        specs = [(getattr(r.weight, "bits", None), r.act_bits) for r in getattr(step, "rules", ())
+                 if getattr(r, "weight", None) is not None]
+        if hasattr(step, "bits"):
+            specs.append((step.bits, getattr(step, "act_bits", None)))
+        for bits, act in specs:
+            if bits is not None and bits not in WEIGHT_BITS:
+                raise FormatError(why + f"it makes {bits}-bit weights; the format's kernels take 4 or 8 bits")
+            if act is not None and not activations:
+                raise FormatError(why + f"it quantizes activations (A{act}); the format holds weight-only quantization")
+            if act is not None and act != 8:
+                raise FormatError(why + f"it quantizes activations to {act} bits; the format's integer activations are int8")
+            if act is not None and bits is not None and bits != 8:
+                raise FormatError(why + f"it pairs {bits}-bit weights with int8 activations; the format's integer "
+                                  "activation layout (int-quantized) holds int8 weights")
+
+
+def copy_tokenizer(target: Path, copy_from: str | os.PathLike[str] | None,
+                   files: Mapping[str, str | bytes] | None) -> None:
+    """Write the tokenizer beside the weights in ``target``: :data:`TOKENIZER_FILES` copied from the HF directory
+    ``copy_from`` (those it has), then ``files`` (``{name: text or bytes}``)."""
+    src = Path(copy_from) if copy_from is not None else None
+    for name in TOKENIZER_FILES if src is not None else ():
+        if (src / name).is_file():
+            shutil.copyfile(src / name, target / name)
+    for name, content in (files or {}).items():
+        (target / name).write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def pack_int32(u: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned codes ``[rows, n]`` -> int32 words ``[rows, ceil(n * bits / 32)]``, first code lowest."""
+    per = 32 // bits
+    rows, n = u.shape
+    padded = np.zeros((rows, -(-n // per) * per), np.uint32)
+    padded[:, :n] = u
+    g = padded.reshape(rows, -1, per)
+    words = np.zeros(g.shape[:2], np.uint32)
+    for j in range(per):
+        words |= g[:, :, j] << np.uint32(bits * j)
+    return words.view(np.int32)
+
+
+def unpack_int32(words: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """Inverse of :func:`pack_int32`: unsigned codes ``[rows, n]`` (uint8)."""
+    per = 32 // bits
+    w = words.view(np.uint32)
+    out = np.stack([(w >> np.uint32(bits * j)) & np.uint32(2**bits - 1) for j in range(per)], axis=-1)
+    return out.reshape(w.shape[0], -1)[:, :n].astype(np.uint8)

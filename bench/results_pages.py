@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "results"
 
+TRANSFORMERS_LOADER = "transformers AutoModelForCausalLM"
+DECOMPRESSOR_LOADER = "compressed-tensors decompressor -> float LlamaForCausalLM"
+"""The HF-side loaders of bench/hf_formats.py, as its rows name them."""
+
 CPU_MACHINE = "2-core AMD EPYC virtual machine (x86-64), shared with other work"
 """The CPU every CPU figure here was measured on; the quality files do not record it themselves."""
 
@@ -479,6 +483,104 @@ def page_layouts() -> str:
     return "\n".join(body)
 
 
+# ------------------------------------------------------------------------------------------- HF quantized checkpoints
+def page_hf_formats() -> str:
+    d = load("hf_formats.json")
+    m = d["meta"]
+    v = m["versions"]
+    target, peer_target = m["target_pct"], m["peer_target_pct"]
+    body = [f"# HF quantized checkpoints (compressed-tensors)\n\n{GENERATED}\n",
+            f"```bash\n{m['command']}\n```\n",
+            "eqjax writes a quantized SmolLM2-135M as a compressed-tensors directory (what `eqjax quantize --format "
+            "compressed-tensors` writes: `eqjax.io.compressed_tensors.save_compressed_tensors`, the GGUF model's "
+            "tokenizer beside it), reads it back (`load_compressed_tensors`), and transformers reads it too; every "
+            "perplexity is measured on the same token ids, with eqjax's scoring (each window from position 0, "
+            "`ctx - 1` predictions per window, float32 window sums added in float64) on both sides.\n",
+            f"**Protocol.** {m['protocol']}. Diffs are against eqjax's perplexity of the quantized params in memory; "
+            f"the target is |diff| <= {target} %. Sizes: the directory's files (10^6 bytes) and eqjax's quantized "
+            "params in memory (codes, scales, zero points and every float param). 'quantize s' is eqjax's quantization "
+            "on a shared machine: an upper bound.\n",
+            "**Loaders on the HF side.** "
+            f"*{TRANSFORMERS_LOADER}*: `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)` (transformers "
+            f"{v['transformers']} with compressed-tensors {v['compressed_tensors']}). "
+            f"*{DECOMPRESSOR_LOADER}*: where transformers cannot load the directory, a float `LlamaForCausalLM` built "
+            "from the directory's config (without `quantization_config`) holding the weights that the compressed-tensors "
+            "package's own compressor (`BaseCompressor.load_from_registry(format).decompress`) returns from the stored "
+            "integers, scales and zero points (scales upcast to float32), the float tensors as stored.\n"]
+    rows, misses = [], []
+    for r in d["rows"]:
+        for dt, f in r["files"].items():
+            ok = abs(f["diff_loaded_pct"]) <= target and abs(f["diff_hf_pct"]) <= target
+            if not ok:
+                misses.append(f"`{r['recipe']}` ({dt})")
+            rows.append([f"`{r['recipe']}`", dt, f3(r["ppl_eqjax_memory"]), f3(f["ppl_eqjax_loaded"]),
+                         pct(f["diff_loaded_pct"], 3), f3(f["ppl_hf"]), pct(f["diff_hf_pct"], 3), f["hf_loader"],
+                         "yes" if ok else "**no**", mb(f["dir_bytes"]), mb(r["qparams_bytes"]), f"{r['quantize_s']:.0f}"])
+    body.append(table(["recipe", "file dtype", "ppl eqjax (in memory)", "ppl eqjax (directory)", "diff",
+                       "ppl HF side (directory)", "diff", "HF-side loader", f"within {target} %", "directory MB",
+                       "eqjax params MB", "quantize s"], rows,
+                      ["---", "---", "--:", "--:", "--:", "--:", "--:", "---", "---", "--:", "--:", "--:"]))
+    body.append("\n" + (f"**Target missed** (|diff| > {target} %): {', '.join(misses)}." if misses else
+                        f"Every row is within the {target} % target.") + "\n")
+    body.append("A bfloat16 directory rounds the scales and every float tensor (embedding, norms) to bfloat16, so its "
+                "diffs include that rounding (SmoothQuant's smoothing factors live in the norm weights); a float32 "
+                "directory holds eqjax's integers and scales exactly, so its diffs are the loaders' alone.\n")
+    regrouped = sorted({(r["recipe"], f["regrouped"]) for r in d["rows"] for f in r["files"].values() if f["regrouped"]})
+    if regrouped:
+        body.append("Groups of 128 on SmolLM2's 576-input linears end on a shorter group (4 x 128 + 64) in eqjax; the "
+                    "format needs whole groups, so those weights are written as groups of 64 with each scale repeated "
+                    "(the same values, more scale bytes): " + ", ".join(f"`{r}` {n} linears" for r, n in regrouped)
+                    + ".\n")
+    errors = sorted({f["transformers_error"] for r in d["rows"] for f in r["files"].values() if f["transformers_error"]})
+    refused = sorted({r["recipe"] for r in d["rows"] for f in r["files"].values() if f["transformers_error"]})
+    if errors:
+        body.append(f"**transformers {v['transformers']} and asymmetric weights.** transformers could not load the "
+                    f"directories of {', '.join(f'`{x}`' for x in refused)} (asymmetric group-wise 4-bit weights, whose "
+                    "zero points the format packs along the output dimension): a loader limitation, since the "
+                    "compressed-tensors package's own compressor decompresses them (the rows above marked with its "
+                    "loader) and vLLM reads packed zero points. The error:\n")
+        body += [f"```text\n{e}\n```\n" for e in errors]
+    if d.get("fp"):
+        f = d["fp"]
+        body.append(f"**Float model.** SmolLM2 written as an HF float32 directory (`eqjax.io.hf.save_hf_checkpoint`, "
+                    f"{mb(f['dir_bytes'])} MB): eqjax in memory {f3(f['ppl_eqjax_memory'])}, eqjax from the directory "
+                    f"{f3(f['ppl_eqjax_hf_dir'])}, transformers {f3(f['ppl_hf'])} "
+                    f"({pct(rel(f['ppl_hf'], f['ppl_eqjax_memory']), 3)}).\n")
+    if d.get("peers"):
+        body.append("## Checkpoints the compressed-tensors package makes, read by eqjax\n")
+        body.append("That float directory quantized by the compressed-tensors package itself (min/max round-to-nearest "
+                    "scales from its `calculate_qparams`, its `ModelCompressor`, its config): W4A16 symmetric with groups "
+                    "of 64 (SmolLM2's 576 inputs are not a multiple of 128, which the package requires) and W8A8 (int8 "
+                    "per-channel weights, dynamic per-token int8 activations). transformers' perplexity of the directory "
+                    f"against eqjax's after `load_compressed_tensors`; target |diff| <= {peer_target} %.\n")
+        body.append(table(["peer checkpoint", "format", "ppl transformers", "ppl eqjax", "diff", f"within {peer_target} %",
+                           "directory MB"],
+                          [[p["peer"], p["format"], f3(p["ppl_hf"]), f3(p["ppl_eqjax"]), pct(p["diff_eqjax_vs_hf_pct"], 3),
+                            "yes" if abs(p["diff_eqjax_vs_hf_pct"]) <= peer_target else "**no**", mb(p["dir_bytes"])]
+                           for p in d["peers"]], ["---", "---", "--:", "--:", "--:", "---", "--:"]))
+        missed = [p["peer"] for p in d["peers"] if abs(p["diff_eqjax_vs_hf_pct"]) > peer_target]
+        body.append("\n" + (f"**Target missed** (|diff| > {peer_target} %): {', '.join(missed)}." if missed else
+                            f"Both peer checkpoints are within the {peer_target} % target.") + "\n")
+    act_miss = [p["peer"] for p in d.get("peers") or [] if p["input_activations"]
+                and abs(p["diff_eqjax_vs_hf_pct"]) > peer_target]
+    act_miss += [f"`{r['recipe']}` ({dt})" for r in d["rows"] if r["recipe"].startswith("w8a8")
+                 for dt, f in r["files"].items() if f["hf_loader"] == TRANSFORMERS_LOADER and abs(f["diff_hf_pct"]) > target]
+    if act_miss:
+        body.append(f"**Int8 activations ({', '.join(act_miss)}).** The stored integers and scales are read exactly "
+                    "(the weight-only rows agree), but the activations are quantized at run time by each side's own "
+                    "code: eqjax's dynamic int8 scale is absmax / 127 (codes in [-127, 127], `eqjax/core/numerics.py`), "
+                    "the compressed-tensors package's symmetric int8 scale is absmax / 127.5 (codes in [-128, 127], its "
+                    "`calculate_qparams` via `compute_dynamic_scales_and_zp`), which transformers applies to each token in "
+                    "every quantized linear's forward. Two causes are candidates, and this benchmark does not separate "
+                    "them: that different activation grid, and int8 activations' sensitivity to last-bit float "
+                    "differences (an activation that lands on another code propagates through the layers; "
+                    "`eqjax.evaluate.rounding_band` measures that noise on eqjax's side).")
+    machine = (f"{m['cpu']} ({m['cpus']} CPUs, shared with other work), {m['date']}; jax {v['jax']}, transformers "
+               f"{v['transformers']}, compressed-tensors {v['compressed_tensors']}, torch {v['torch']}")
+    body.append("\n" + source(["hf_formats.json"], machine) + "\n")
+    return "\n".join(body)
+
+
 # ------------------------------------------------------------------------------------------- onnx
 def onnx_table(d: dict[str, Any], band: bool = False) -> str:
     head = ["variant", "file MiB", "ppl (onnxruntime)", "ppl (eqjax)"]
@@ -928,6 +1030,7 @@ PAGES: dict[str, tuple[str, Callable[[], str], str]] = {
     "layouts.md": ("Weight layouts", page_layouts, "layouts.json"),
     "onnx.md": ("ONNX packages", page_onnx, "onnx*.json"),
     "gguf.md": ("GGUF in llama.cpp", page_gguf, "gguf_llamacpp.json"),
+    "hf-formats.md": ("HF quantized checkpoints", page_hf_formats, "hf_formats.json"),
     "kv_levels.md": ("2-bit KV levels", page_kv, "kv_levels*.json"),
     "gpu.md": ("GPU kernels (H200)", page_gpu, "kernels_h200*.json, gpu_model_h200*.json, kernel_tune_h200*.json"),
     "distributed.md": ("Multiple devices", page_distributed, "distributed*.json"),
@@ -969,6 +1072,12 @@ def fp_protocols() -> list[list[str]]:
         r = d["rows"][0]
         out.append(["GGUF in llama.cpp", f"{d['meta']['tokens']} tokens in chunks of {d['meta']['ctx']}, second half "
                     "scored", f3(r["ppl_eqjax"]), "`gguf_llamacpp.json`"])
+    if exists("hf_formats.json"):
+        d = load("hf_formats.json")
+        if d.get("fp"):
+            p = d["meta"]["protocol_fields"]
+            out.append(["HF quantized checkpoints", f"{p['eval_windows']} x {p['ctx']} tokens", f3(d["fp"]["ppl_eqjax_memory"]),
+                        "`hf_formats.json`"])
     if exists("kv_levels.json"):
         d = load("kv_levels.json")
         out.append(["2-bit KV levels", f"{d['windows']} x {d['ctx']} tokens of the calibration half", f3(d["fp_ppl"]),

@@ -31,7 +31,6 @@ Usage: python bench/hf_formats.py [--eval-windows 4] [--eval-len 1024] [--calib-
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -58,7 +57,7 @@ from eqjax.io.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from eqjax.protocol import prepare  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))
-from layouts import cpu_model  # noqa: E402
+from layouts import cpu_model, protocol_parser  # noqa: E402
 
 RECIPES = ["w4g128-gptq", "w4g128-gptq-sym", "w4g128-awq", "w8a8-smoothquant"]
 TRANSFORMERS = "transformers AutoModelForCausalLM"
@@ -252,11 +251,7 @@ def markdown(d: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--eval-windows", type=int, default=4)
-    ap.add_argument("--eval-len", "--ctx", dest="ctx", type=int, default=1024)
-    ap.add_argument("--calib-windows", type=int, default=16)
-    ap.add_argument("--calib-len", "--calib-ctx", dest="calib_ctx", type=int, default=512)
+    ap = protocol_parser(__doc__)
     ap.add_argument("--only", default=None, help="comma-separated recipes (default: all four)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="file dtypes written (default bfloat16,float32)")
     ap.add_argument("--skip-peers", action="store_true", help="no peer-made checkpoints")

@@ -110,12 +110,18 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def protocol_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser holding the SmolLM2 protocol's flags (evaluation 4 x 1024, calibration 16 x 512 tokens)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--eval-len", "--ctx", dest="ctx", type=int, default=1024)
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--calib-len", "--calib-ctx", dest="calib_ctx", type=int, default=512)
+    return ap
+
+
+def main() -> None:
+    ap = protocol_parser(__doc__)
     ap.add_argument("--only", default=None, help="comma-separated recipes (default: all)")
     ap.add_argument("--order-check", default=None, metavar="R",
                     help="only eqjax's own model with recipe R on reordered calibration windows")

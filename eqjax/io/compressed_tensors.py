@@ -38,7 +38,6 @@ import numpy as np
 
 from eqjax.core.numerics import codes, pack
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
-from eqjax.io.atomic import atomic_directory
 from eqjax.io.hf import (
     HFTensor,
     assemble_params,
@@ -47,16 +46,15 @@ from eqjax.io.hf import (
     hf_config_dict,
     read_checkpoint,
     untied,
-    write_safetensors,
 )
 from eqjax.io.hf_quantized import (
     TOKENIZER_FILES,
     WEIGHT_BITS,
     FormatError,
-    copy_tokenizer,
     pack_int32,
     recipe_refusal,
     unpack_int32,
+    write_directory,
 )
 from eqjax.models import Model
 
@@ -241,12 +239,8 @@ def save_compressed_tensors(
     if getattr(config, "tie_word_embeddings", False):  # the head is the (float) embedding table
         float_linears.append("lm_head")
     hf_cfg["quantization_config"] = quantization_config(schemes, float_linears)
-    with atomic_directory(directory, overwrite=overwrite, kind=FORMAT) as tmp:
-        write_safetensors(tmp / "model.safetensors", tensors)
-        copy_tokenizer(tmp, copy_from, files)
-        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    root = Path(directory)
-    size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    root, size = write_directory(directory, tensors, hf_cfg, kind=FORMAT, copy_from=copy_from, files=files,
+                                 overwrite=overwrite)
     return {"path": str(root), "bytes": size, "schemes": schemes, "regrouped": regrouped}
 
 

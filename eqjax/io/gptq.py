@@ -28,9 +28,8 @@ import numpy as np
 
 from eqjax.core.numerics import codes, pack
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_group, validate
-from eqjax.io.atomic import atomic_directory
-from eqjax.io.hf import HFTensor, assemble_params, cast_float, float_tensors, hf_config_dict, read_checkpoint, untied, write_safetensors
-from eqjax.io.hf_quantized import FormatError, copy_tokenizer, pack_int32, recipe_refusal, unpack_int32
+from eqjax.io.hf import HFTensor, assemble_params, cast_float, float_tensors, hf_config_dict, read_checkpoint, untied
+from eqjax.io.hf_quantized import FormatError, pack_int32, recipe_refusal, unpack_int32, write_directory
 from eqjax.models import Model
 
 __all__ = ["GPTQ_FORMAT", "check_recipe", "is_gptq", "load_gptq", "save_gptq"]
@@ -110,12 +109,8 @@ def save_gptq(directory: str | os.PathLike[str], model: Model, params: Mapping[s
                                      "desc_act": False, "checkpoint_format": "gptq", "true_sequential": True,
                                      "damp_percent": 0.01, "modules_in_block_to_quantize": None,
                                      "lm_head": "lm_head" not in skipped and not config.tie_word_embeddings}
-    with atomic_directory(directory, overwrite=overwrite, kind=GPTQ_FORMAT) as tmp:
-        write_safetensors(tmp / "model.safetensors", tensors)
-        copy_tokenizer(tmp, copy_from, files)
-        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-    root = Path(directory)
-    size_b = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    root, size_b = write_directory(directory, tensors, hf_cfg, kind=GPTQ_FORMAT, copy_from=copy_from, files=files,
+                                   overwrite=overwrite)
     return {"path": str(root), "bytes": size_b, "bits": bits, "group_size": size, "sym": sym}
 
 

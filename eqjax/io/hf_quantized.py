@@ -3,6 +3,7 @@ their error, the recipe pre-check, and the tokenizer files written beside the we
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,8 +12,10 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from eqjax.core.errors import CompatibilityError
+from eqjax.io.atomic import atomic_directory
+from eqjax.io.hf import write_safetensors
 
-__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "pack_int32", "unpack_int32"]
+__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "pack_int32", "unpack_int32"]
 
 WEIGHT_BITS = (4, 8)
 """Weight widths written: the ones the formats' kernels (vLLM, transformers, GPTQ) take."""
@@ -63,6 +66,19 @@ def recipe_refusal(recipe: Any, fmt: str, *, activations: bool) -> None:
             if act is not None and bits is not None and bits != 8:
                 raise FormatError(why + f"it pairs {bits}-bit weights with int8 activations; the format's integer "
                                   "activation layout (int-quantized) holds int8 weights")
+
+
+def write_directory(directory: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], *,
+                    kind: str, copy_from: str | os.PathLike[str] | None, files: Mapping[str, str | bytes] | None,
+                    overwrite: bool) -> tuple[Path, int]:
+    """Write an HF quantized directory atomically (model.safetensors, the tokenizer, config.json last);
+    ``(its path, its bytes)``. ``kind``: the format, recorded in eqjax's artifact marker."""
+    with atomic_directory(directory, overwrite=overwrite, kind=kind) as tmp:
+        write_safetensors(tmp / "model.safetensors", tensors)
+        copy_tokenizer(tmp, copy_from, files)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    root = Path(directory)
+    return root, sum(f.stat().st_size for f in root.iterdir() if f.is_file())
 
 
 def copy_tokenizer(target: Path, copy_from: str | os.PathLike[str] | None,

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from eqjax.core.pytree import get_path
 from eqjax.methods.gptq import GPTQ
 from eqjax.search.knapsack import BudgetError, mck_table
 from eqjax.search.layers import (
@@ -27,6 +28,8 @@ from eqjax.search.layers import (
     collect_hessians,
     layer_table,
     rules_for_picks,
+    searched_shapes,
+    smallest_bytes,
 )
 from eqjax.search.sensitivity import KLProbe, calibrate_kl, embedding_layer, method_errors
 
@@ -86,6 +89,13 @@ def search(
     if proxy == "kl" and missing:
         raise ValueError(f"kl_ref_bits {missing} is not among the candidates' widths "
                          f"{sorted({c.bits for c in candidates})}")
+    if budget_bits is not None and (not budget_bits > 0 or not math.isfinite(budget_bits)):
+        raise BudgetError(f"budget_bits must be a positive number, got {budget_bits}")
+    if not embedding:  # a budget below the smallest model is refused before the statistics' forward pass
+        shapes = (searched_shapes(model, params, calibration_windows) if hessians is None
+                  else {p: tuple(np.shape(get_path(params, p))) for p in hessians})
+        _budget(budget_bits, budget_bytes, sum(math.prod(s) for s in shapes.values()), _fixed_bytes(params, set(shapes)),
+                0, sum(smallest_bytes(s, candidates) for s in shapes.values()), len(shapes))
     t0 = time.perf_counter()
     if hessians is None:
         hessians = collect_hessians(model, params, calibration_windows, progress=say)
@@ -115,22 +125,7 @@ def search(
     tables = sum(L.nbytes[0] for L in layers if L.is_embedding)  # the tables' float bytes
     min_searched = sum(min(L.nbytes) for L in layers)
     max_searched = sum(max(L.nbytes) for L in layers)
-    if budget_bits is not None:
-        if not budget_bits > 0 or not math.isfinite(budget_bits):
-            raise BudgetError(f"budget_bits must be a positive number, got {budget_bits}")
-        budget = int(budget_bits * numel / 8) + tables
-        if budget < min_searched:
-            raise BudgetError(
-                f"budget of {budget_bits} bits/weight is below the smallest possible model: "
-                f"{8 * (min_searched - tables) / numel:.4f} bits/weight ({min_searched} bytes for the {len(layers)} searched "
-                f"kernels, every one at its smallest candidate)")
-    else:
-        budget = int(budget_bytes) - fixed
-        if budget < min_searched:
-            raise BudgetError(
-                f"budget of {int(budget_bytes)} bytes is below the smallest possible model: {fixed + min_searched} "
-                f"bytes ({fixed} bytes of unsearched params + {min_searched} bytes of the {len(layers)} kernels at "
-                "their smallest candidates)")
+    budget = _budget(budget_bits, budget_bytes, numel, fixed, tables, min_searched, len(layers))
     cap = max(budget, int(max(pareto_bits, default=0) * numel / 8) + tables, max_searched)
     cap = min(cap, max_searched)
     unit = max(1, -(-cap // cells))
@@ -173,3 +168,23 @@ def search(
     object.__setattr__(res, "_rule_dicts", rule_dicts)
     object.__setattr__(res, "_within", solution)
     return res
+
+
+def _budget(budget_bits: float | None, budget_bytes: int | None, numel: int, fixed: int, tables: int,
+            min_searched: int, n_layers: int) -> int:
+    """The searched kernels' byte budget; :class:`BudgetError` when it is below their smallest total."""
+    if budget_bits is not None:
+        budget = int(budget_bits * numel / 8) + tables
+        if budget < min_searched:
+            raise BudgetError(
+                f"budget of {budget_bits} bits/weight is below the smallest possible model: "
+                f"{8 * (min_searched - tables) / numel:.4f} bits/weight ({min_searched} bytes for the {n_layers} searched "
+                f"kernels, every one at its smallest candidate)")
+        return budget
+    budget = int(budget_bytes) - fixed
+    if budget < min_searched:
+        raise BudgetError(
+            f"budget of {int(budget_bytes)} bytes is below the smallest possible model: {fixed + min_searched} "
+            f"bytes ({fixed} bytes of unsearched params + {min_searched} bytes of the {n_layers} kernels at "
+            "their smallest candidates)")
+    return budget

@@ -62,6 +62,9 @@ __all__ = [
     "layer_group",
     "collect_hessians",
     "layer_table",
+    "layer_options",
+    "searched_shapes",
+    "smallest_bytes",
     "solve_mck",
     "avg_bits",
     "choice_counts",
@@ -169,17 +172,13 @@ def collect_hessians(model: Any, params: Any, windows: np.ndarray, *, batch_size
     matmul weight's input on ``windows``, from one block-by-block pass of the float model
     (:mod:`eqjax.calibration.calibrate`)."""
 
-    ctx = model_context(model, params, None)
-    ctx.batches = window_batches(windows, batch_size)
-    cal = ctx.calibrator("search")
-
+    cal = _search_calibrator(model, params, windows, batch_size)
     paths, leaves, _ = flatten_with_paths(params)
     flat = dict(zip(paths, leaves))
     out: dict[str, np.ndarray] = {}
 
     def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
-        uses = [u for u in bc.uses if len(u.shape) == 2 and u.contracting == (0,) and hasattr(p[u.path], "ndim")
-                and jnp.issubdtype(p[u.path].dtype, jnp.floating) and cal.analysis.roles[u.path].kind == "matmul"]
+        uses = [u for u in bc.uses if _searchable(cal, u, p)]
         if uses:
             st = bc.statistics({"xtx": xtx()}, uses)
             out.update({path: np.asarray(v["xtx"]) for path, v in st.items()})
@@ -191,6 +190,41 @@ def collect_hessians(model: Any, params: Any, windows: np.ndarray, *, batch_size
     if not out:
         raise ValueError("no float [in, out] matmul weight was seen")
     return out
+
+
+def _search_calibrator(model: Any, params: Any, windows: np.ndarray, batch_size: int = 8) -> Any:
+    ctx = model_context(model, params, None)
+    ctx.batches = window_batches(windows, batch_size)
+    return ctx.calibrator("search")
+
+
+def _searchable(cal: Any, use: Any, flat: Mapping[str, Any]) -> bool:
+    """A float ``[in, out]`` matmul weight: what the search assigns a candidate to."""
+    leaf = flat[use.path]
+    return (len(use.shape) == 2 and use.contracting == (0,) and hasattr(leaf, "ndim")
+            and jnp.issubdtype(leaf.dtype, jnp.floating) and cal.analysis.roles[use.path].kind == "matmul")
+
+
+def searched_shapes(model: Any, params: Any, windows: np.ndarray) -> dict[str, tuple[int, ...]]:
+    """``{weight path: shape}`` of the kernels :func:`collect_hessians` records, from tracing the model
+    alone (no forward pass): what a budget can be checked against before any statistics are gathered."""
+    cal = _search_calibrator(model, params, windows[:1], 1)
+    paths, leaves, _ = flatten_with_paths(params)
+    flat = dict(zip(paths, leaves))
+    return {u.path: tuple(int(d) for d in u.shape) for u in cal.analysis.uses if _searchable(cal, u, flat)}
+
+
+def layer_options(k_in: int, candidates: Sequence["Candidate"]) -> tuple["Candidate", ...]:
+    """The candidates distinct for a layer of ``k_in`` inputs (groups adjusted to the width)."""
+    seen: dict[tuple, Candidate] = {}
+    for c in candidates:
+        seen.setdefault((c.bits, layer_group(k_in, c.group), c.symmetric), c)
+    return tuple(seen.values())
+
+
+def smallest_bytes(shape: tuple[int, ...], candidates: Sequence["Candidate"]) -> int:
+    """Stored bytes of a ``shape`` kernel at its smallest candidate."""
+    return min(_qbytes(shape, c.spec(int(shape[0]))) for c in layer_options(int(shape[0]), candidates))
 
 
 _fq_cache: dict[tuple, Callable] = {}
@@ -226,11 +260,7 @@ def layer_table(params: Any, hessians: Mapping[str, np.ndarray], candidates: Seq
     for n, (path, h) in enumerate(sorted(hessians.items(), key=lambda kv: _natural(kv[0]))):
         w = jnp.asarray(get_path(params, path), jnp.float32)
         k_in = int(w.shape[0])
-        seen: dict[tuple, Candidate] = {}
-        for c in candidates:
-            key = (c.bits, layer_group(k_in, c.group), c.symmetric)
-            seen.setdefault(key, c)
-        opts = tuple(seen.values())
+        opts = layer_options(k_in, candidates)
         hj = jnp.asarray(h)
         errs: dict[str, list[float]] = {"hessian": [], "relative": [], "weight": []}
         sizes = []

@@ -31,7 +31,7 @@ def setup():
     model = Model(dataclasses.replace(model.config, rope_theta=10000.0))
     hf_model, hf_params = to_hf_flax(model, params)
     cal_ids, ev_ids = wikipedia_tokens(tok)
-    return model, params, hf_model, hf_params, token_windows(ev_ids, 512, 2), calibration_windows(cal_ids, 8, 256, 0)
+    return model, params, hf_model, hf_params, token_windows(ev_ids, 512, 1), calibration_windows(cal_ids, 4, 256, 0)
 
 
 @pytest.mark.parametrize("recipe", ["w8", "w8a8-smoothquant"])

@@ -247,18 +247,18 @@ def test_stacked_params_of_a_scan():
 
 @pytest.mark.slow
 def test_smollm2_gptq_w4_beats_rtn():
-    """Real model: GPTQ W4 g128 (act-order, the sink token weighted 32x: the defaults) beats RTN of the same format,
-    and its perplexity ratio to the float model is the committed main job's.
+    """Real model: GPTQ W4 g128 (act-order, the sink token weighted 32x: the defaults) has the committed main
+    job's perplexity ratio to the float model, far below round to nearest's.
 
     Reference: bench/results/main_job.md runs this protocol (the first 4 x 1024 evaluation tokens, 16 x 512
-    calibration tokens, seed 0): FP 16.900, w4g128-gptq 19.969, a ratio of 1.1816. GPTQ's result moves by up
-    to 1.2 % between CPUs (its Cholesky and act-order updates round differently under AVX2 and AVX-512), so
-    the ratio must lie within 1.5 % of the reference: a 2 % regression fails."""
+    calibration tokens, seed 0): FP 16.900, w4g128-gptq 19.969, a ratio of 1.1816 (w4g128-rtn: 22.374, 1.324).
+    GPTQ's result moves by up to 1.2 % between CPUs (its Cholesky and act-order updates round differently
+    under AVX2 and AVX-512), so the ratio must lie within 1.5 % of the reference: a 2 % regression fails, and
+    so does a GPTQ no better than round to nearest."""
     from eqjax import data
     from eqjax.evaluate import perplexity
     from eqjax.io.gguf import load_gguf
     from eqjax.models import Model
-    from eqjax.recipes.registry import get_recipe
 
     cfg, params, tok = load_gguf()
     model = Model(cfg)
@@ -268,7 +268,6 @@ def test_smollm2_gptq_w4_beats_rtn():
     ppl = lambda p: float(getattr(perplexity(model, p, ev), "ppl"))  # noqa: E731
     q = run_recipe(params, Recipe("g", (GPTQ(bits=4),)), model=model, calibration=cal)
     p_gptq, p_fp = ppl(q), ppl(params)
-    assert p_gptq < ppl(run_recipe(params, get_recipe("w4g128-rtn"), model=model))
     assert abs((p_gptq / p_fp) / (19.969 / 16.900) - 1) < 0.015, (p_gptq, p_fp)
 
 

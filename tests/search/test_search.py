@@ -13,7 +13,16 @@ from eqjax.models import LlamaConfig, Model
 from eqjax.recipes.apply import quantize
 from eqjax.recipes.registry import recipe_from_dict
 from eqjax.search.allocate import search
-from eqjax.search.layers import BudgetError, Candidate, collect_hessians, layer_group, rules_for_picks, solve_mck, uniform_picks
+from eqjax.search.layers import (
+    BudgetError,
+    Candidate,
+    collect_hessians,
+    layer_group,
+    layer_table,
+    rules_for_picks,
+    solve_mck,
+    uniform_picks,
+)
 
 
 def _brute(sizes, errors, budget):
@@ -157,6 +166,13 @@ def test_budget_below_smallest_model_says_the_minimum(tiny):
         search(model, params, cal, budget_bytes=1000, candidates=CANDS, hessians=H)
     with pytest.raises(BudgetError, match="exactly one"):
         search(model, params, cal, candidates=CANDS, hessians=H)
+    # without statistics the same minimum is refused from the traced shapes alone, before any forward pass,
+    # and it is the minimum the full table gives (the embedding search, which can shrink the tables, is off)
+    said = []
+    with pytest.raises(BudgetError) as early:
+        search(model, params, cal, budget_bits=1.5, candidates=CANDS, progress=said.append)
+    smallest = sum(min(L.nbytes) for L in layer_table(params, H, CANDS))
+    assert said == [] and f"({smallest} bytes for the {len(H)} searched kernels" in str(early.value)
 
 
 @pytest.mark.slow
@@ -167,8 +183,10 @@ def test_smollm2_budget_below_minimum_is_reported():
     cfg, params, tok = load_gguf()
     model = Model(cfg)
     cal = calibration_windows(wikipedia_tokens(tok)[0], 1, 64, 0)
+    said = []
     with pytest.raises(BudgetError, match=r"1\.0 bits/weight is below the smallest possible model: 2\.\d+ bits/weight"):
-        search(model, params, cal, budget_bits=1.0)
+        search(model, params, cal, budget_bits=1.0, progress=said.append)
+    assert said == []  # refused before the statistics' forward pass
 
 
 EPS32 = float(np.finfo(np.float32).eps)

@@ -26,7 +26,7 @@ from eqjax.core.qarray import HalfFloat, QArray
 from eqjax.core.validate import check_params
 from eqjax.data import DataError, calibration_windows, encode_cached, load_text_file, news_tokens, token_windows, wikipedia_tokens
 from eqjax.evaluate import check_token_ids, model_size_bytes, peak_rss_mb, perplexity
-from eqjax.io import load_model
+from eqjax.io import load_model, stream_model
 from eqjax.methods.kvquant import kv_bytes_per_token
 from eqjax.recipes.apply import quantize
 from eqjax.recipes.types import Recipe
@@ -112,6 +112,7 @@ def prepare(
     evaluate: bool = True,
     also_eval: Iterable[str] = (),
     encoding: str | None = None,
+    stream: bool = False,
 ) -> Setup:
     """Load the model (default SmolLM2 GGUF) and the text (default Wikipedia split, or ``text_path``).
 
@@ -125,6 +126,8 @@ def prepare(
     text is not read at all. ``also_eval``: names from :data:`EXTRA_TEXTS` whose first ``eval_tokens // ctx``
     windows are measured as well (the quantized model is the same: calibration stays on the main text).
     ``encoding``: the codec of ``text_path`` (None: its byte-order mark's, else UTF-8; see ``load_text_file``).
+    ``stream``: the params are read on demand (``Setup.params`` is an :class:`eqjax.io.hf.StreamedParams`;
+    :func:`eqjax.io.stream_model`), for models larger than memory.
     """
 
     check_protocol_args(ctx=ctx, eval_tokens=eval_tokens, calib_windows=calib_windows, calib_ctx=calib_ctx, seed=seed)
@@ -135,7 +138,7 @@ def prepare(
     need_text = evaluate or calib_windows > 0
     # the text is read (and checked) before the model loads
     text = None if text_path is None or not need_text else load_text_file(text_path, encoding)
-    model, params, tok = load_model(model_path)
+    model, params, tok = stream_model(model_path) if stream else load_model(model_path)
     msource = str(model_path) if model_path else "the default model"
     if tok is None:
         raise CompatibilityError(

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from eqjax.core.errors import CompatibilityError
+from eqjax.core.errors import CompatibilityError, InputError
 from eqjax.export.package import tokenizer_files
 from eqjax.io.compressed_tensors import (
     FORMAT,
@@ -19,14 +19,16 @@ from eqjax.io.compressed_tensors import (
     is_compressed_tensors,
     load_compressed_tensors,
     save_compressed_tensors,
+    save_compressed_tensors_streamed,
 )
 from eqjax.io.gguf import default_model_path, read_metadata
 from eqjax.io.gptq import GPTQ_FORMAT, is_gptq, load_gptq, save_gptq
 from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.io.hf import FILE_DTYPES
 from eqjax.io.orbax import CHECKPOINT_ENTRIES
+from eqjax.recipes.stream import check_streamable, stream_quantize
 
-__all__ = ["FORMATS", "add_format_args", "check_format", "replaceable", "save_in_format", "is_hf_quantized",
+__all__ = ["FORMATS", "add_format_args", "check_format", "replaceable", "save_in_format", "stream_to_format", "is_hf_quantized",
            "load_hf_quantized"]
 
 FORMATS = ("orbax", FORMAT, GPTQ_FORMAT)
@@ -40,14 +42,42 @@ def add_format_args(p: Any) -> None:
                         "GPTQ layout (qweight / qzeros / scales / g_idx; 4/8-bit weight-only groups)")
     p.add_argument("--dtype", choices=FILE_DTYPES, default="bfloat16",
                    help="compressed-tensors: the dtype of float tensors and scales in the files (default bfloat16)")
+    p.add_argument("--stream", action="store_true",
+                   help="for models larger than memory: read the weights on demand and quantize and write one "
+                        "decoder block at a time (--model: an HF safetensors directory; --format compressed-tensors)")
 
 
-def check_format(fmt: str, recipe: Any) -> None:
-    """Refuse, before any work, a recipe the output format cannot hold (naming recipe, format and why)."""
+def check_format(fmt: str, recipe: Any, *, stream: bool = False, model: str | None = None) -> None:
+    """Refuse, before any work, a recipe the output format cannot hold (naming recipe, format and why), and a
+    ``--stream`` run the format or the recipe cannot take."""
     if fmt == FORMAT:
         check_recipe(recipe)
     elif fmt == GPTQ_FORMAT:
         check_gptq_recipe(recipe)
+    if not stream:
+        return
+    if fmt != FORMAT:
+        raise InputError(f"--stream writes --format {FORMAT} (one shard per block); found --format {fmt}")
+    if model is None or not pathlib.Path(model).is_dir():
+        raise InputError(f"--stream reads an HF safetensors directory (--model DIR); found --model "
+                         f"{model or '(the default GGUF model)'}")
+    check_streamable(recipe)
+
+
+def stream_to_format(out: str, setup: Any, recipe: Any, *, model_path: str, dtype: str, overwrite: bool, seed: int,
+                     say: Any) -> str:
+    """Quantize ``setup``'s streamed params (:class:`eqjax.io.hf.StreamedParams`) unit by unit into a
+    compressed-tensors directory, one shard per unit; returns a one-line summary."""
+    files, copy_from, ids = _tokenizer(model_path, setup.tokenizer, setup.model.config)
+    sp, model = setup.params, setup.model
+    cal = setup.calib_windows if recipe.needs_calibration else None
+
+    def produce(emit: Any) -> None:
+        stream_quantize(model, sp.paths, sp.load, recipe, cal, emit, seed=seed, progress=say)
+
+    info = save_compressed_tensors_streamed(out, model, produce, dtype=dtype, files=files, copy_from=copy_from,
+                                            extra_config=ids, overwrite=overwrite)
+    return _ct_line(info)
 
 
 def replaceable(fmt: str) -> tuple[str, ...]:
@@ -81,6 +111,10 @@ def save_in_format(fmt: str, out: str, setup: Any, qparams: Any, *, model_path: 
         return f"saved {info['path']} (gptq: int{info['bits']} g{info['group_size']} {kind}, {info['bytes'] / 2**20:.1f} MiB)"
     info = save_compressed_tensors(out, setup.model, qparams, dtype=dtype, files=files, copy_from=copy_from,
                                    extra_config=ids, overwrite=overwrite)
+    return _ct_line(info)
+
+
+def _ct_line(info: dict[str, Any]) -> str:
     fmts = sorted({s["format"] for s in info["schemes"].values()})
     note = (f"; {len(info['regrouped'])} weight(s) with a shorter last group written as smaller groups (same values)"
             if info["regrouped"] else "")

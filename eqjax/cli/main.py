@@ -25,7 +25,15 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from eqjax.cli.export import add_export_args, add_gguf_args, check_export_args, check_gguf_args, export_main, gguf_main
 from eqjax.cli.flags import add_calibration_args, add_eval_len
-from eqjax.cli.formats import add_format_args, check_format, is_hf_quantized, load_hf_quantized, replaceable, save_in_format
+from eqjax.cli.formats import (
+    add_format_args,
+    check_format,
+    is_hf_quantized,
+    load_hf_quantized,
+    replaceable,
+    save_in_format,
+    stream_to_format,
+)
 from eqjax.cli.hostmem import fix_mmap_threshold
 from eqjax.cli.recipes import add_recipes_args, recipes_main
 from eqjax.cli.report import REPORT_FILES, markdown_table, write_report
@@ -45,10 +53,12 @@ from eqjax.distributed.runtime import (
     is_multi_process,
 )
 from eqjax.distributed.supervise import supervise
+from eqjax.evaluate import peak_rss_mb
 from eqjax.io.atomic import MARKER, check_not_input, check_output_dir, check_output_file, dumps_json, output_lock, write_json, write_marker
 from eqjax.io.orbax import load_quantized, read_manifest, recipe_kv, save_quantized
 from eqjax.protocol import CALIBRATED_RUN_RECIPES, DEFAULT_RUN_RECIPES, check_protocol_args, checked_quantize, evaluate_recipe, prepare
 from eqjax.recipes.registry import RECIPES, get_recipe
+from eqjax.recipes.stream import stream_cost
 from eqjax.recipes.types import Recipe
 
 __all__ = ["main", "build_parser"]
@@ -379,19 +389,29 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     check_protocol_args(ctx=2, eval_tokens=2, calib_windows=args.calib_windows, calib_ctx=args.calib_len, seed=args.seed)
     _check_model_path(args.model)
     recipe = get_recipe(args.recipe)
-    check_format(args.format, recipe)
+    check_format(args.format, recipe, stream=args.stream, model=args.model)
     if recipe.needs_calibration:
         _check_text_path(args.text)
     check_distributed_args(args)
+    if args.stream and (args.num_processes or 1) > 1:
+        raise InputError("--stream runs in one process; drop --num-processes")
     check_output_dir(args.out, overwrite=args.overwrite, what="checkpoint directory (--out)",
                      inputs=(args.model, args.text), replaceable=replaceable(args.format))
     writer = _maybe_init_distributed(args)
     with output_lock(args.out) if writer else contextlib.nullcontext():  # a second writer of --out is refused here
         setup = prepare(args.model, args.text, ctx=args.calib_len, eval_tokens=args.calib_len,
                         calib_windows=args.calib_windows if recipe.needs_calibration else 0,
-                        calib_ctx=args.calib_len, seed=args.seed, evaluate=False)
-        _check_same_job(setup, [recipe])
+                        calib_ctx=args.calib_len, seed=args.seed, evaluate=False, stream=args.stream)
         t0 = time.perf_counter()
+        if args.stream:
+            print(f"streaming {setup.params.nbytes / 2**30:.2f} GiB of weights one block at a time; calibration "
+                  f"activations {stream_cost(recipe, setup.calib_windows if recipe.needs_calibration else None, setup.model.config.hidden) / 2**20:.1f} MiB")
+            line = stream_to_format(args.out, setup, recipe, model_path=args.model, dtype=args.dtype,
+                                    overwrite=args.overwrite, seed=args.seed, say=lambda m: print(f"  {m}", flush=True))
+            print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s; peak RSS {peak_rss_mb() / 1024:.2f} GiB")
+            print(line)
+            return 0
+        _check_same_job(setup, [recipe])
         q = checked_quantize(setup.params, recipe, model=setup.model,
                              calibration=setup.calib_windows if recipe.needs_calibration else None, seed=args.seed,
                              progress=writer, source=str(setup.protocol["model"]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -12,7 +12,7 @@ from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray
 
 __all__ = [
     "is_leaf", "path_str", "flatten", "flatten_with_paths", "float_aval", "map_with_path", "tree_nbytes",
-    "get_path", "set_path", "unflatten_paths",
+    "get_path", "set_path", "unflatten_paths", "nest_paths",
 ]
 
 Params = Any
@@ -104,4 +104,16 @@ def set_path(params: Params, path: str, value: Any) -> Params:
         raise KeyError(f"no parameter at path {path!r} (missing {head!r})")
     out = dict(params)
     out[head] = set_path(params[head], rest, value) if rest else value
+    return out
+
+
+def nest_paths(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested dicts from ``{'a/b/c': leaf}`` (the inverse of :func:`flatten_with_paths` for dict trees)."""
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = out
+        *parents, last = path.split("/")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = leaf
     return out

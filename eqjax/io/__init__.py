@@ -2,6 +2,6 @@
 :mod:`~eqjax.io.gguf_write`), Orbax checkpoints of qparams (:mod:`~eqjax.io.orbax`), atomic writes and output
 ownership (:mod:`~eqjax.io.atomic`); :func:`load_model` loads any of them by path."""
 
-from eqjax.io.load import HFTokenizer, load_model
+from eqjax.io.load import HFTokenizer, load_model, stream_model
 
-__all__ = ["load_model", "HFTokenizer"]
+__all__ = ["load_model", "stream_model", "HFTokenizer"]

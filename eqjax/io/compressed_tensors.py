@@ -31,12 +31,13 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from eqjax.core.numerics import codes, pack
+from eqjax.core.pytree import nest_paths
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
 from eqjax.io.hf import (
     HFTensor,
@@ -53,13 +54,14 @@ from eqjax.io.hf_quantized import (
     FormatError,
     pack_int32,
     recipe_refusal,
+    shard_directory,
     unpack_int32,
     write_directory,
 )
 from eqjax.models import Model
 
 __all__ = ["FORMAT", "FormatError", "check_recipe", "is_compressed_tensors", "load_compressed_tensors",
-           "save_compressed_tensors", "TOKENIZER_FILES", "WEIGHT_BITS"]
+           "save_compressed_tensors", "save_compressed_tensors_streamed", "TOKENIZER_FILES", "WEIGHT_BITS"]
 
 FORMAT = "compressed-tensors"
 
@@ -188,6 +190,48 @@ def quantization_config(schemes: Mapping[str, dict[str, Any]], ignore: list[str]
             "version": "0.20.0"}
 
 
+class _Encoder:
+    """Encodes HF tensors from eqjax leaves (:data:`eqjax.io.hf.Writer`), collecting the schemes it wrote."""
+
+    def __init__(self) -> None:
+        self.schemes: dict[str, dict[str, Any]] = {}
+        self.regrouped: list[str] = []
+        self.float_linears: list[str] = []
+
+    def __call__(self, t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
+        kinds = {type(x) for x in leaves}
+        if RotatedKernel in kinds:
+            raise FormatError(f"{'/'.join(t.paths[0])}: an online rotation (RotatedKernel), which {FORMAT} cannot hold")
+        if not kinds & {QArray, ActQuantKernel}:
+            if t.transposed and len(t.hf_shape) == 2 and t.name.endswith(".weight") and "embed" not in t.name:
+                self.float_linears.append(_module(t.name))
+            return None
+        if kinds - {QArray, ActQuantKernel}:
+            raise FormatError(f"{t.name}: fused parts of which only some are quantized")
+        if not t.transposed or len(t.hf_shape) != 2:
+            raise FormatError(f"{'/'.join(t.paths[0])}: a quantized {len(t.hf_shape)}-D tensor {t.name} that is not a "
+                              "linear weight; the format quantizes Linear layers only")
+        tensors, scheme = _encode(t.name, leaves, file_dtype)
+        self.schemes[_module(t.name)] = scheme
+        q0 = leaves[0].weight if isinstance(leaves[0], ActQuantKernel) else leaves[0]
+        if scheme["weights"]["group_size"] and scheme["weights"]["group_size"] != q0.granularity.group_size:
+            self.regrouped.append(_module(t.name))
+        return tensors
+
+    def config(self, config: Any, dtype: str, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        """config.json's object once every tensor is encoded; :class:`FormatError` when nothing was quantized."""
+        if not self.schemes:
+            raise FormatError(f"no quantized linear weight in the params: {FORMAT} holds quantized checkpoints "
+                              "(write float weights with eqjax.io.hf.save_hf_checkpoint)")
+        hf_cfg = hf_config_dict(config, dtype, extra)
+        ignore = self.float_linears + (["lm_head"] if getattr(config, "tie_word_embeddings", False) else [])
+        hf_cfg["quantization_config"] = quantization_config(self.schemes, ignore)  # a tied head: the float table
+        return hf_cfg
+
+    def summary(self, root: Path, size: int) -> dict[str, Any]:
+        return {"path": str(root), "bytes": size, "schemes": self.schemes, "regrouped": self.regrouped}
+
+
 def save_compressed_tensors(
     directory: str | os.PathLike[str], model: Model, params: Mapping[str, Any], *, dtype: str = "bfloat16",
     files: Mapping[str, str | bytes] | None = None, copy_from: str | os.PathLike[str] | None = None,
@@ -207,41 +251,34 @@ def save_compressed_tensors(
     cannot hold (an online rotation, a 3-bit weight, ...), before anything is written.
     """
     config = untied(model.config, params)
-    schemes: dict[str, dict[str, Any]] = {}
-    regrouped: list[str] = []
-    float_linears: list[str] = []
-
-    def write(t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
-        kinds = {type(x) for x in leaves}
-        if RotatedKernel in kinds:
-            raise FormatError(f"{'/'.join(t.paths[0])}: an online rotation (RotatedKernel), which {FORMAT} cannot hold")
-        if not kinds & {QArray, ActQuantKernel}:
-            if t.transposed and len(t.hf_shape) == 2 and t.name.endswith(".weight") and "embed" not in t.name:
-                float_linears.append(_module(t.name))
-            return None
-        if kinds - {QArray, ActQuantKernel}:
-            raise FormatError(f"{t.name}: fused parts of which only some are quantized")
-        if not t.transposed or len(t.hf_shape) != 2:
-            raise FormatError(f"{'/'.join(t.paths[0])}: a quantized {len(t.hf_shape)}-D tensor {t.name} that is not a "
-                              "linear weight; the format quantizes Linear layers only")
-        tensors, scheme = _encode(t.name, leaves, file_dtype)
-        schemes[_module(t.name)] = scheme
-        q0 = leaves[0].weight if isinstance(leaves[0], ActQuantKernel) else leaves[0]
-        if scheme["weights"]["group_size"] and scheme["weights"]["group_size"] != q0.granularity.group_size:
-            regrouped.append(_module(t.name))
-        return tensors
-
-    tensors = float_tensors(config, params, dtype, write=write)
-    if not schemes:
-        raise FormatError(f"no quantized linear weight in the params: {FORMAT} holds quantized checkpoints "
-                          "(write float weights with eqjax.io.hf.save_hf_checkpoint)")
-    hf_cfg = hf_config_dict(config, dtype, extra_config)
-    if getattr(config, "tie_word_embeddings", False):  # the head is the (float) embedding table
-        float_linears.append("lm_head")
-    hf_cfg["quantization_config"] = quantization_config(schemes, float_linears)
+    enc = _Encoder()
+    tensors = float_tensors(config, params, dtype, write=enc)
+    hf_cfg = enc.config(config, dtype, extra_config)
     root, size = write_directory(directory, tensors, hf_cfg, kind=FORMAT, copy_from=copy_from, files=files,
                                  overwrite=overwrite)
-    return {"path": str(root), "bytes": size, "schemes": schemes, "regrouped": regrouped}
+    return enc.summary(root, size)
+
+
+def save_compressed_tensors_streamed(
+    directory: str | os.PathLike[str], model: Model, produce: Callable[[Callable[[str, dict[str, Any]], None]], None],
+    *, dtype: str = "bfloat16", files: Mapping[str, str | bytes] | None = None,
+    copy_from: str | os.PathLike[str] | None = None, extra_config: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """:func:`save_compressed_tensors` for a model quantized unit by unit: ``produce(emit)`` calls
+    ``emit(unit name, {param path: leaf})`` once per unit (:func:`eqjax.recipes.stream.stream_quantize`); each
+    unit is encoded and written as its own safetensors shard at once, so no more than one unit is held. The
+    directory appears only when every unit is written (the previous one is intact until then)."""
+    config = model.config
+    enc = _Encoder()
+    with shard_directory(directory, overwrite=overwrite, kind=FORMAT, copy_from=copy_from, files=files) as shards:
+        def emit(unit: str, leaves: dict[str, Any]) -> None:
+            keep = lambda t: all("/".join(p) in leaves for p in t.paths)  # noqa: E731
+            shards.add(float_tensors(config, nest_paths(leaves), dtype, write=enc, only=keep))
+
+        produce(emit)
+        shards.config = enc.config(config, dtype, extra_config)
+    return enc.summary(shards.root, shards.size)
 
 
 # --------------------------------------------------------------------------------------------- reading

@@ -45,14 +45,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.errors import InputError
 from eqjax.core.numerics import dequantize_leaf
 from eqjax.io.atomic import atomic_path, write_text
+from eqjax.io.safetensors_file import (
+    FLOAT_DTYPE_NAMES,
+    CheckpointError,
+    DuplicateKey,
+    LazyTensors,
+    read_tensors,
+    unique_keys,
+    write_safetensors,
+)
 from eqjax.models import Model
 from eqjax.models.config import ConfigError, GPT2Config, ModelConfig
 from eqjax.models.hf_config import from_hf_config, to_hf_config
 
-__all__ = ["CheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "hf_name", "hf_layout", "HFTensor",
+__all__ = ["CheckpointError", "load_hf_checkpoint", "stream_hf_checkpoint", "StreamedParams", "save_hf_checkpoint", "hf_name", "hf_layout", "HFTensor",
            "read_checkpoint", "assemble_params", "float_tensors", "write_safetensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -60,11 +68,6 @@ _PHI3_PAD = 32000  # transformers' Phi3Config default pad_token_id
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Non-parameter buffers some exporters write; they carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
-
-
-class CheckpointError(InputError):
-    """A checkpoint is missing, malformed, or disagrees with its config (an
-    :class:`~eqjax.core.errors.InputError`, hence a ``ValueError``)."""
 
 
 Path_ = tuple[str, ...]
@@ -154,26 +157,12 @@ def _read_config(root: Path) -> tuple[ModelConfig, dict[str, Any]]:
         raise CheckpointError(str(e)) from None
 
 
-class _DuplicateKey(ValueError):
-    """A JSON object names one key twice (the key is the message)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json`` object hook refusing a key given twice (a second entry would silently replace the first)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a safetensors index: tensor name -> shard file name, every entry checked."""
     bad = f"bad safetensors index ({index})"
     try:
-        raw = json.loads(index.read_bytes(), object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
+        raw = json.loads(index.read_bytes(), object_pairs_hook=unique_keys)
+    except DuplicateKey as e:
         raise CheckpointError(f"{bad}: expected each tensor once, found {e} twice") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{bad}: expected JSON, found a file that is not valid JSON ({e})") from None
@@ -233,110 +222,18 @@ def _kind(p: Path) -> str:
     return "a directory" if p.is_dir() else "nothing" if not p.exists() else "a special file"
 
 
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
-_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8",
-              "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
-_FLOAT_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # float dtypes numpy calls kind "V"
-
-
-def _st_dtype(code: Any) -> np.dtype | None:
-    """The numpy dtype of a safetensors dtype code (None for an unknown one)."""
-    import ml_dtypes
-
-    spec = _ST_DTYPES.get(code) if isinstance(code, str) else None
-    if spec is None:
-        return None
-    return np.dtype(getattr(ml_dtypes, spec)) if spec in _FLOAT_DTYPES else np.dtype(spec)
-
-
-def _not_safetensors(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{path}: not a valid safetensors file ({why})")
-
-
-def _entry(path: Path, name: str, meta: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
-    """``(dtype, shape, begin, end)`` of one header entry; a malformed entry raises naming the tensor."""
-    if not isinstance(meta, dict):
-        raise _not_safetensors(path, f"tensor {name}: expected a header object, found {type(meta).__name__}")
-    dtype, shape, offsets = _st_dtype(meta.get("dtype")), meta.get("shape"), meta.get("data_offsets")
-    if dtype is None:
-        raise _not_safetensors(path, f"tensor {name}: expected a dtype of {', '.join(_ST_DTYPES)}, found {meta.get('dtype')!r}")
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-        raise _not_safetensors(path, f"tensor {name}: expected a shape of integers >= 0, found {shape!r}")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
-        raise _not_safetensors(path, f"tensor {name}: expected data_offsets [begin, end] with 0 <= begin <= end, "
-                                     f"found {offsets!r}")
-    begin, end = offsets
-    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
-    if end - begin != nbytes:
-        raise _not_safetensors(path, f"tensor {name}: shape {tuple(shape)} of {meta['dtype']} needs {nbytes} bytes, "
-                                     f"data_offsets span {end - begin}")
-    return dtype, tuple(shape), begin, end
-
-
-def _read_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int]:
-    """Every tensor entry of a safetensors file and where its data starts; entries are checked against
-    each other and the file size (a cut file names the first tensor it cuts)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(_MAX_HEADER, size - 8):
-            raise _not_safetensors(path, f"truncated or corrupt: header length {n}, file size {size} bytes")
-        blob = fh.read(n)
-    try:
-        header = json.loads(blob, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        raise _not_safetensors(path, f"corrupt header: tensor {e} listed twice") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _not_safetensors(path, f"truncated or corrupt header: {e}") from None
-    if not isinstance(header, dict):
-        raise _not_safetensors(path, f"corrupt header: expected a JSON object, found {type(header).__name__}")
-    header.pop("__metadata__", None)
-    entries = {name: _entry(path, name, meta) for name, meta in header.items()}
-    data_len, pos, prev = size - 8 - n, 0, None
-    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
-        if end > data_len:
-            raise _not_safetensors(path, f"truncated: tensor {name} needs data bytes [{begin}, {end}), the file "
-                                         f"holds {data_len}")
-        if begin != pos:
-            what = f"overlaps tensor {prev}" if begin < pos else f"leaves bytes [{pos}, {begin}) to no tensor"
-            raise _not_safetensors(path, f"corrupt header: tensor {name} at data bytes [{begin}, {end}) {what}")
-        pos, prev = end, name
-    if pos != data_len:
-        raise _not_safetensors(path, f"corrupt: {data_len - pos} data bytes after the last tensor belong to no tensor")
-    return entries, 8 + n
-
-
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as numpy arrays (bfloat16 / float8 via ml_dtypes), read from the header's
-    checked offsets; a corrupt or cut file raises CheckpointError naming the file (and tensor)."""
-    try:
-        entries, start = _read_header(path)
-        out: dict[str, np.ndarray] = {}
-        with open(path, "rb") as fh:
-            for name, (dtype, shape, begin, end) in entries.items():
-                fh.seek(start + begin)
-                buf = fh.read(end - begin)
-                if len(buf) != end - begin:
-                    raise _not_safetensors(path, f"truncated while reading tensor {name}")
-                out[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
-        return out
-    except (OSError, MemoryError) as e:
-        raise CheckpointError(f"{path}: cannot read the weight file: {type(e).__name__}: {e}") from None
-
-
 def _set(tree: dict[str, Any], path: Path_, value: Any) -> None:
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
 
 
-def read_checkpoint(directory: str | os.PathLike[str]
+def read_checkpoint(directory: str | os.PathLike[str], *, lazy: bool = False
                     ) -> tuple[ModelConfig, dict[str, Any], dict[str, np.ndarray], dict[str, Path]]:
     """``(config, config.json as read, tensors by HF name, tensor name -> file)`` of an HF directory, every
-    file and index entry checked (see :func:`load_hf_checkpoint`); tensors keep their stored dtype."""
+    file and index entry checked (see :func:`load_hf_checkpoint`); tensors keep their stored dtype.
+    ``lazy``: the tensors are memory-mapped (:func:`eqjax.io.safetensors_file.read_tensors`); every header
+    is still checked before this returns."""
     root = Path(directory)
     if root.is_file() and root.suffix in PICKLE_SUFFIXES:
         raise CheckpointError(
@@ -347,16 +244,17 @@ def read_checkpoint(directory: str | os.PathLike[str]
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     config, raw = _read_config(root)
     files, index_map = _weight_files(root)
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, Any] = {}  # an array, or (lazy) a LazyTensors entry
     origin: dict[str, Path] = {}
     for f in files:
-        for name, arr in _read_safetensors(f).items():
+        read = read_tensors(f, lazy=lazy)
+        for name in read:
             if name in tensors:
                 raise CheckpointError(
                     f"duplicate tensor ({origin[name]}, {f}): expected each tensor in one weight file, "
                     f"found {name} in both"
                 )
-            tensors[name], origin[name] = arr, f
+            tensors[name], origin[name] = (read.entries[name] if lazy else read[name]), f
     for name, f in index_map.items():
         if origin.get(name) != f:
             where = f"found it in {origin[name].name}" if name in origin else "found it in no shard"
@@ -365,7 +263,7 @@ def read_checkpoint(directory: str | os.PathLike[str]
         prefixed = lambda n: n if n.startswith(("transformer.", "lm_head.")) else f"transformer.{n}"  # noqa: E731
         tensors = {prefixed(n): a for n, a in tensors.items()}
         origin = {prefixed(n): f for n, f in origin.items()}
-    return config, raw, tensors, origin
+    return config, raw, (LazyTensors(tensors) if lazy else tensors), origin
 
 
 Taker = Callable[["HFTensor"], "tuple[list[Any], set[str]] | None"]
@@ -374,9 +272,11 @@ it consumed)``, or None to read it as a float tensor."""
 
 
 def assemble_params(config: ModelConfig, tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path], root: Path,
-                    *, dtype: Any = jnp.float32, take: Taker | None = None) -> dict[str, Any]:
+                    *, dtype: Any = jnp.float32, take: Taker | None = None,
+                    only: Callable[["HFTensor"], bool] | None = None) -> dict[str, Any]:
     """The param tree of ``config`` from HF ``tensors`` (float, transposed and split as the layout says);
-    ``take`` decodes the tensors it recognises itself (quantized formats). Every tensor must be used."""
+    ``take`` decodes the tensors it recognises itself (quantized formats). Every tensor must be used.
+    ``only``: read just the float tensors it accepts (every tensor is still checked against the config)."""
     params: dict[str, Any] = {}
     used: set[str] = set()
     for t in hf_layout(config):
@@ -395,11 +295,13 @@ def assemble_params(config: ModelConfig, tensors: Mapping[str, np.ndarray], orig
             raise CheckpointError(
                 f"{origin[name]}: tensor {name} has shape {tuple(arr.shape)} but config.json implies {t.hf_shape}"
             )
-        if arr.dtype.kind != "f" and arr.dtype.name not in _FLOAT_DTYPES:
+        if arr.dtype.kind != "f" and arr.dtype.name not in FLOAT_DTYPE_NAMES:
             raise CheckpointError(
                 f"non-float tensor ({origin[name]}: {name}): expected a floating-point dtype, found {arr.dtype.name}"
             )
         used.add(name)
+        if only is not None and not only(t):
+            continue
         value = arr.T if t.transposed else arr
         if t.offset:  # in float32, as transformers computes 1 + w.float(); kept float32 (see the module doc)
             value = value.astype(np.float32) + np.float32(t.offset)
@@ -429,12 +331,49 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
         :func:`eqjax.io.load.load_model`).
     """
     config, raw, tensors, origin = read_checkpoint(directory)
+    _refuse_quantized(directory, raw)
+    return Model(config), assemble_params(config, tensors, origin, Path(directory), dtype=dtype)
+
+
+def _refuse_quantized(directory: str | os.PathLike[str], raw: Mapping[str, Any]) -> None:
     qc = raw.get("quantization_config")
     if isinstance(qc, dict):
         raise CheckpointError(f"quantized checkpoint ({Path(directory) / 'config.json'}: quantization_config, "
                               f"quant_method {qc.get('quant_method')!r}): expected float weights here; load it with "
                               "eqjax.io.load_model (or 'eqjax eval --checkpoint')")
-    return Model(config), assemble_params(config, tensors, origin, Path(directory), dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedParams:
+    """A model's params read on demand: every param ``paths`` and ``load(paths) -> {path: array}``."""
+
+    paths: tuple[str, ...]
+    load: Callable[[Any], dict[str, Any]]
+    nbytes: int = 0
+    """Bytes of the stored tensors."""
+
+
+def stream_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32
+                         ) -> tuple[Model, StreamedParams]:
+    """``(Model, StreamedParams)`` of an HF float checkpoint read on demand: ``load(paths)`` returns those
+    params (``dtype``) read from the memory-mapped files, nothing else resident. Every file, header, index
+    entry and tensor shape is checked against the config before this returns (the errors of
+    :func:`load_hf_checkpoint`), so a bad checkpoint is refused before any work."""
+    root = Path(directory)
+    config, raw, tensors, origin = read_checkpoint(root, lazy=True)
+    _refuse_quantized(root, raw)
+    assemble_params(config, tensors, origin, root, only=lambda t: False)  # checks every tensor, reads none
+    layout = hf_layout(config)
+    paths = ["/".join(p) for t in layout for p in t.paths]
+
+    def load(wanted: Any) -> dict[str, Any]:
+        want = set(wanted)
+        tree = assemble_params(config, tensors, origin, root, dtype=dtype,
+                               only=lambda t: any("/".join(p) in want for p in t.paths))
+        return {p: _get(tree, tuple(p.split("/"))) for p in wanted}
+
+    nbytes = sum(int(np.prod(tensors.shape(n), dtype=np.int64)) * tensors.entries[n][1].itemsize for n in tensors)
+    return Model(config), StreamedParams(tuple(paths), load, nbytes)
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -469,13 +408,15 @@ def cast_float(value: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def float_tensors(config: ModelConfig, params: Mapping[str, Any], dtype: str = "float32", *,
-                  write: Writer | None = None) -> dict[str, np.ndarray]:
-    """``{HF name: array}`` for every tensor of ``config``'s layout: float (quantized leaves dequantized,
-    rotations folded in) unless ``write`` encodes the tensor itself."""
+                  write: Writer | None = None, only: Callable[[HFTensor], bool] | None = None) -> dict[str, np.ndarray]:
+    """``{HF name: array}`` for every tensor of ``config``'s layout (``only``: those it accepts): float
+    (quantized leaves dequantized, rotations folded in) unless ``write`` encodes the tensor itself."""
     if dtype not in FILE_DTYPES:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     out: dict[str, np.ndarray] = {}
     for t in hf_layout(config):
+        if only is not None and not only(t):
+            continue
         leaves = []
         for path, shape in zip(t.paths, t.shapes):
             try:
@@ -538,28 +479,3 @@ def save_hf_checkpoint(
         write_safetensors(tmp, out)
     write_text(root / "config.json", json.dumps(hf_config_dict(config, dtype, extra_config), indent=2, sort_keys=True))
     return root
-
-
-_ST_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8", "uint8": "U8", "int32": "I32",
-             "int64": "I64"}
-
-
-def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write a safetensors file directly (safetensors.numpy cannot save bfloat16); ``tensors`` in file order."""
-    codes = _ST_CODES
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, arr in tensors.items():
-        header[name] = {
-            "dtype": codes[arr.dtype.name],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * ((-len(blob)) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(blob).to_bytes(8, "little"))
-        fh.write(blob)
-        for arr in tensors.values():
-            fh.write(np.ascontiguousarray(arr).tobytes())

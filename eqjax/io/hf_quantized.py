@@ -3,6 +3,7 @@ their error, the recipe pre-check, and the tokenizer files written beside the we
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,9 +14,9 @@ import numpy as np
 
 from eqjax.core.errors import CompatibilityError
 from eqjax.io.atomic import atomic_directory
-from eqjax.io.hf import write_safetensors
+from eqjax.io.hf import INDEX_FILE, write_safetensors
 
-__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "pack_int32", "unpack_int32"]
+__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "pack_int32", "unpack_int32"]
 
 WEIGHT_BITS = (4, 8)
 """Weight widths written: the ones the formats' kernels (vLLM, transformers, GPTQ) take."""
@@ -79,6 +80,58 @@ def write_directory(directory: str | os.PathLike[str], tensors: Mapping[str, np.
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     root = Path(directory)
     return root, sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+
+
+class Shards:
+    """Safetensors shards written one :meth:`add` at a time into a directory being filled (see
+    :func:`shard_directory`); ``config``: config.json's object, set before the directory is closed."""
+
+    def __init__(self, tmp: Path, root: Path):
+        self.tmp, self.root = tmp, root
+        self.files: list[Path] = []
+        self.weight_map: dict[str, int] = {}
+        self.total = 0
+        self.size = 0
+        self.config: dict[str, Any] | None = None
+
+    def add(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Write ``tensors`` (in order) as the next shard, at once."""
+        if not tensors:
+            return
+        f = self.tmp / f".shard-{len(self.files):05d}.safetensors"
+        write_safetensors(f, tensors)
+        for name in tensors:
+            if name in self.weight_map:
+                raise ValueError(f"tensor {name} written twice")
+            self.weight_map[name] = len(self.files)
+        self.total += sum(int(a.nbytes) for a in tensors.values())
+        self.files.append(f)
+
+    def _finish(self) -> None:
+        n = len(self.files)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for f, name in zip(self.files, names):
+            f.rename(self.tmp / name)
+        index = {"metadata": {"total_size": self.total}, "weight_map": {k: names[i] for k, i in self.weight_map.items()}}
+        (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+@contextlib.contextmanager
+def shard_directory(directory: str | os.PathLike[str], *, overwrite: bool, kind: str,
+                    copy_from: str | os.PathLike[str] | None, files: Mapping[str, str | bytes] | None) -> Iterator[Shards]:
+    """An HF directory written shard by shard (:class:`Shards`), atomically: it appears, with its index,
+    the tokenizer and config.json (last), only when the block exits normally; before that the previous
+    ``directory`` is intact (:func:`eqjax.io.atomic.atomic_directory`)."""
+    root = Path(directory)
+    with atomic_directory(directory, overwrite=overwrite, kind=kind) as tmp:
+        shards = Shards(tmp, root)
+        yield shards
+        if shards.config is None:
+            raise ValueError("the shards' config.json object was not set")
+        shards._finish()
+        copy_tokenizer(tmp, copy_from, files)
+        (tmp / "config.json").write_text(json.dumps(shards.config, indent=2, sort_keys=True))
+    shards.size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
 
 
 def copy_tokenizer(target: Path, copy_from: str | os.PathLike[str] | None,

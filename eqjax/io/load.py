@@ -15,10 +15,10 @@ from eqjax.core.validate import check_params
 from eqjax.io.compressed_tensors import is_compressed_tensors, load_compressed_tensors
 from eqjax.io.gguf import default_model_path, load_gguf
 from eqjax.io.gptq import is_gptq, load_gptq
-from eqjax.io.hf import CheckpointError, load_hf_checkpoint
+from eqjax.io.hf import CheckpointError, StreamedParams, load_hf_checkpoint, stream_hf_checkpoint
 from eqjax.models import Model
 
-__all__ = ["load_model", "HFTokenizer"]
+__all__ = ["load_model", "stream_model", "HFTokenizer"]
 
 
 class HFTokenizer:
@@ -56,6 +56,22 @@ class HFTokenizer:
 
 
 _HFTokenizer = HFTokenizer  # the former private name
+
+
+def stream_model(path: str | os.PathLike[str] | None) -> tuple[Any, StreamedParams, Any]:
+    """``(Model, StreamedParams, tokenizer)`` of an HF float safetensors directory read on demand
+    (:func:`eqjax.io.hf.stream_hf_checkpoint`): for models larger than memory. Anything else is refused
+    naming the path (a GGUF file or a quantized directory loads whole with :func:`load_model`)."""
+    p = pathlib.Path(path) if path is not None else None
+    if p is None or not p.is_dir():
+        what = "the default model (a GGUF file)" if p is None else f"{p}"
+        raise CheckpointError(f"cannot stream {what}: expected an HF safetensors directory (--model DIR); a GGUF "
+                              "file is read whole")
+    if is_compressed_tensors(p) or is_gptq(p):
+        raise CheckpointError(f"cannot stream {p}: a quantized checkpoint; streaming reads float weights")
+    model, streamed = stream_hf_checkpoint(p)
+    tj = p / "tokenizer.json"
+    return model, streamed, HFTokenizer(tj) if tj.is_file() else None
 
 
 def load_model(path: str | os.PathLike[str] | None = None, *, check: bool = True) -> tuple[Any, dict[str, Any], Any]:

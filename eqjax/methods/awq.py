@@ -183,6 +183,7 @@ class AWQ:
     full_range: bool = True
     name: str = "awq"
     needs_calibration = True
+    advance = "original"  # block inputs: see eqjax.calibration.calibrate.Calibrator.run_blocks
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
@@ -199,6 +200,8 @@ class AWQ:
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
 
         cal, targets = step_targets(self, params, ctx)
+        if not targets:
+            return dict(params)
         an = cal.analysis
         want = {"xtx": xtx(), "abs_mean": abs_sum()}
         skipped: list[str] = []
@@ -239,7 +242,7 @@ class AWQ:
                     p[u.path] = from_weight_matrix(jnp.where(jnp.asarray(keep)[None, :], w, w2), u, p[u.path])
             return p
 
-        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
+        out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)
         for msg in dict.fromkeys(skipped):
             log.warning("awq: not scaled: %s", msg)
             ctx.report.append((msg.split(":")[0], f"{self.name}: not scaled ({msg.split(': ', 1)[-1]})"))

@@ -383,6 +383,7 @@ class GPTQ:
     rules: tuple[Rule, ...] = ()
     name: str = "gptq"
     needs_calibration = True
+    advance = "new"  # block inputs: see eqjax.calibration.calibrate.Calibrator.run_blocks
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
@@ -429,19 +430,22 @@ class GPTQ:
         if not self.rules:
             return cal, {p: self.spec() for p in paths}
         chosen, unused = assign({p: params[p] for p in paths}, self.rules, cal.analysis.roles)
-        for rule in unused:
+        partial = getattr(ctx, "partial", False)  # one unit of a streamed model: the caller checks the rules
+        for rule in () if partial else unused:
             err = unused_rule_error(self.name, rule, sorted(paths), chosen, "float matmul weight",
                                     roles=cal.analysis.roles)
             if err is not None:
                 raise err
         specs = {p: r.weight for p, r in chosen.items() if r.weight is not None}
-        if not specs:
+        if not specs and not partial:
             raise InputError(f"{self.name}: no rule with a weight format matches a float matmul weight "
                              f"(rules: {', '.join(repr(r.pattern) for r in self.rules)})")
         return cal, specs
 
     def __call__(self, params: Mapping[str, Any], ctx: Any) -> dict[str, Any]:
         cal, specs = self.targets(params, ctx)
+        if not specs:
+            return dict(params)
         targets = set(specs)
         an = cal.analysis
         grids: dict[str, list] = {}
@@ -460,7 +464,7 @@ class GPTQ:
                                           an, grids, bc.mesh, specs[u.path])
             return p
 
-        out = cal.run_blocks(params, per_block, advance="new", progress=ctx.progress, desc=self.name)
+        out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)
         for path, parts in grids.items():
             gran, scale, zp = parts
             bits, sym = specs[path].bits, specs[path].symmetric

@@ -280,6 +280,7 @@ class SearchedRTN:
     role: str = "matmul"
     name: str = "rtn_search"
     needs_calibration = True
+    advance = "original"  # block inputs: see eqjax.calibration.calibrate.Calibrator.run_blocks
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
@@ -302,6 +303,8 @@ class SearchedRTN:
 
 
         cal, targets = step_targets(self, params, ctx)
+        if not targets:
+            return dict(params)
         an = cal.analysis
         grids: dict[str, tuple] = {}
 
@@ -323,7 +326,7 @@ class SearchedRTN:
                 grids[u.path] = (gran, sp, zp)
             return p
 
-        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
+        out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)
         return finish_grids(out, params, grids, self.bits, ctx, self.name, self.symmetric)
 
     @classmethod

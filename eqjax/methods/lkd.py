@@ -108,6 +108,7 @@ class ZeroQuantLKD:
     time_budget: float | None = None
     name: str = "zeroquant_lkd"
     needs_calibration = True
+    advance = "original"  # block inputs: see eqjax.calibration.calibrate.Calibrator.run_blocks
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.micro_batch < 1 or self.lr <= 0:
@@ -165,7 +166,7 @@ class ZeroQuantLKD:
                 return q0
             return q1
 
-        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
+        out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)
         for path, leaf in out.items():
             if is_quantized(leaf) and not is_quantized(params[path]):
                 ctx.report.append((path, f"{self.name}: int{self.bits} group {self.group_size} + A{self.act_bits}"))

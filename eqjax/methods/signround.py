@@ -160,6 +160,8 @@ class SignRound:
 
 
         cal, targets = step_targets(self, params, ctx)
+        if not targets:
+            return dict(params)
         an = cal.analysis
         rng = np.random.default_rng(self.seed + int(getattr(ctx, "seed", 0)))
         report: dict[str, dict[str, float]] = {}

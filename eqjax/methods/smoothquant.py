@@ -83,6 +83,7 @@ class SmoothQuant:
     sink_tokens: int = 0
     name: str = "smoothquant"
     needs_calibration = True
+    advance = "original"  # block inputs: see eqjax.calibration.calibrate.Calibrator.run_blocks
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0 or any(not 0.0 <= a <= 1.0 for a in self.alphas):
@@ -155,8 +156,8 @@ class SmoothQuant:
             n_groups[0] += len(plan)
             return best[1]
 
-        out = cal.run_blocks(params, per_block, advance="original", progress=ctx.progress, desc=self.name)
-        if n_groups[0] == 0:
+        out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)
+        if n_groups[0] == 0 and not getattr(ctx, "partial", False):
             raise InputError(f"{self.name}: no group of matmul weights is fed by a norm it could fold into "
                              f"({'; '.join(dict.fromkeys(skipped)) or 'no float matmul weights'})")
         for msg in dict.fromkeys(skipped):

@@ -54,6 +54,8 @@ class Context:
       model: eqjax's own :class:`~eqjax.models.Model` when that is what is quantized (KV cache).
       seed, progress: randomness and progress bars.
       report: ``(path, what was done)`` lines appended by the steps.
+      partial: the params are one unit of a model quantized unit by unit (:mod:`eqjax.recipes.stream`): a
+        step or rule that selects nothing here is not an error (the caller checks rules over the whole model).
     """
 
     fn: Callable[..., Any] | None = None
@@ -65,6 +67,7 @@ class Context:
     seed: int = 0
     progress: bool = False
     report: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    partial: bool = False
     _program: Any = dataclasses.field(default=None, repr=False)
     _analysis: Any = dataclasses.field(default=None, repr=False)
     _calibrator: Any = dataclasses.field(default=None, repr=False)

@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from eqjax.io.hf import INDEX_FILE, CheckpointError, load_hf_checkpoint, save_hf_checkpoint
+from eqjax.io.safetensors_file import read_tensors
 from eqjax.models import LlamaConfig, Model
 from eqjax.models.config import ConfigError, GPT2Config
 from eqjax.models.hf_config import from_hf_config
@@ -148,10 +149,8 @@ def test_truncated_mid_tensor_names_the_tensor(tmp_path: Path) -> None:
 def test_inconsistent_header(tmp_path: Path, entries: dict, found: str) -> None:
     p = tmp_path / "w.safetensors"
     _raw_safetensors(p, entries, bytes(16) if "overlap" in found or "after" in found else bytes(8))
-    from eqjax.io.hf import _read_safetensors
-
     with pytest.raises(CheckpointError, match=rf"w\.safetensors: not a valid safetensors file .*{found}"):
-        _read_safetensors(p)
+        read_tensors(p)
 
 
 def test_duplicate_tensor_in_one_header(tmp_path: Path) -> None:
@@ -159,30 +158,29 @@ def test_duplicate_tensor_in_one_header(tmp_path: Path) -> None:
     blob = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, ' \
            b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}'
     p.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(8))
-    from eqjax.io.hf import _read_safetensors
-
     with pytest.raises(CheckpointError, match=r"tensor a listed twice"):
-        _read_safetensors(p)
+        read_tensors(p)
 
 
 def test_header_reader_matches_safetensors(tmp_path: Path) -> None:
     import ml_dtypes
 
-    from eqjax.io.hf import _read_safetensors
-
     rng = np.random.default_rng(0)
     t = {"f32": rng.standard_normal((3, 4)).astype(np.float32), "f16": rng.standard_normal(5).astype(np.float16),
          "i8": np.arange(6, dtype=np.int8).reshape(2, 3), "empty": np.zeros((0, 2), np.float32)}
     save_file(t, str(tmp_path / "w.safetensors"))
-    got = _read_safetensors(tmp_path / "w.safetensors")
-    assert set(got) == set(t)
-    for k in t:
-        assert got[k].dtype == t[k].dtype and got[k].shape == t[k].shape
-        np.testing.assert_array_equal(got[k], t[k])
+    for lazy in (False, True):
+        got = read_tensors(tmp_path / "w.safetensors", lazy=lazy)
+        assert set(got) == set(t)
+        for k in t:
+            assert got[k].dtype == t[k].dtype and got[k].shape == t[k].shape
+            np.testing.assert_array_equal(got[k], t[k])
+    mapped = read_tensors(tmp_path / "w.safetensors", lazy=True)["f32"]
+    assert isinstance(mapped, np.memmap) and not mapped.flags.writeable
     bf = np.arange(4, dtype=np.float32).astype(ml_dtypes.bfloat16)
     _raw_safetensors(tmp_path / "b.safetensors", {"b": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}},
                      bf.tobytes())
-    np.testing.assert_array_equal(_read_safetensors(tmp_path / "b.safetensors")["b"], bf)
+    np.testing.assert_array_equal(read_tensors(tmp_path / "b.safetensors")["b"], bf)
 
 
 # ------------------------------------------------------------------------------------ config values

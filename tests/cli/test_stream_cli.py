@@ -1,0 +1,65 @@
+"""``eqjax quantize --stream``: an HF checkpoint quantized block by block into a compressed-tensors directory
+that holds the in-memory run's quantized weights, and the refusals that come before any work."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eqjax.cli.main import main
+from eqjax.core.numerics import dequantize_leaf
+from eqjax.core.pytree import flatten_with_paths
+from eqjax.io import load_model
+from eqjax.recipes.apply import quantize
+from eqjax.recipes.registry import get_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import random_checkpoint as rc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rc") / "tiny"
+    rc.write_checkpoint("tiny", out, shard_mb=2.0)
+    return out
+
+
+def test_streamed_quantize_writes_the_in_memory_weights(ckpt, tmp_path, capsys):
+    out = tmp_path / "ct"
+    assert main(["quantize", "--model", str(ckpt), "--recipe", "w4g128-rtn", "--format", "compressed-tensors",
+                 "--stream", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "one block at a time" in said and "peak RSS" in said and "saved" in said
+    assert len(list(out.glob("model-*-of-*.safetensors"))) == 2 + 2  # outer, two blocks, untied head
+    model, params, _ = load_model(ckpt)
+    _, back, tok = load_model(out)
+    assert tok is not None
+    want = dict(zip(*flatten_with_paths(quantize(params, get_recipe("w4g128-rtn"), model=model))[:2]))
+    got = dict(zip(*flatten_with_paths(back)[:2]))
+    assert sorted(got) == sorted(want)
+    for p, v in want.items():  # codes exact; scales stored as bfloat16 (--dtype): within its unit roundoff 2^-8
+        np.testing.assert_allclose(np.asarray(dequantize_leaf(got[p]), np.float32),
+                                   np.asarray(dequantize_leaf(v), np.float32), rtol=2.0**-8, atol=0, err_msg=p)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--format", "orbax"], "--stream writes --format compressed-tensors"),
+    (["--format", "compressed-tensors", "--model", "GGUF"], "--stream reads an HF safetensors directory"),
+    (["--format", "compressed-tensors", "--recipe", "kv8"], "not streamed|cannot be written"),
+])
+def test_stream_refusals_come_before_any_work(ckpt, tmp_path, capsys, argv, match):
+    args = {"--model": str(ckpt), "--recipe": "w4g128-rtn"}
+    it = iter(argv)
+    for flag in it:
+        args[flag] = next(it)
+    if args["--model"] == "GGUF":
+        args["--model"] = str(tmp_path / "m.gguf")
+        (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    flat = [x for kv in args.items() for x in kv]
+    assert main(["quantize", *flat, "--stream", "--out", str(tmp_path / "o")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()

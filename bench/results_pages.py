@@ -870,6 +870,42 @@ def page_memory() -> str:
     return "\n".join(body)
 
 
+def page_scale() -> str:
+    body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
+            "```bash\npython bench/scale.py --shapes 135m,1b,3b,8b --calib-windows 4 --calib-len 512\n```\n",
+            "`eqjax quantize --stream` (weights read on demand, one decoder block quantized and written at a time, "
+            "compressed-tensors out), one process per row. **The 1B / 3B / 8B rows are random-weight checkpoints of "
+            "the Llama-3.2-1B / 3B and Llama-3-8B shapes (`bench/random_checkpoint.py`): time and memory only.** "
+            "'vs smallest': seconds per billion parameters over the smallest model's for the same recipe (1.0 = "
+            "linear growth). 'activations': the calibration streams the run keeps.\n"]
+    base: dict[str, float] = {}
+    for name in ("scale.json", "scale_8b.json"):
+        if not exists(name):
+            continue
+        d = load(name)
+        m = d["meta"]
+        rows = []
+        for r in d["rows"]:
+            if "error" in r:
+                rows.append([r["model"], r["recipe"], f"failed: {r['error']}", "", "", "", "", "", "", "", ""])
+                continue
+            b = base.setdefault(r["recipe"], r["s_per_billion"])
+            rows.append([r["model"], f"`{r['recipe']}`", f"{r['parameters'] / 1e9:.3f} B", f1(r["quantize_s"]),
+                         f1(r["s_per_billion"]), f2(r["s_per_billion"] / b), f2(r["peak_rss_gib"]),
+                         f1(r["activations_mib"]), f2(r["bytes_written"] / 2**30),
+                         f1(r.get("eval_s")) if "eval_s" in r else r.get("eval_error", "-"),
+                         f2(r.get("eval_peak_rss_gib")) if "eval_s" in r else "-"])
+        body.append(f"Calibration: {m['calib_windows']} x {m['calib_len']} tokens (round-to-nearest takes none). "
+                    f"'eval': `eqjax eval --checkpoint` of the written directory on {m['calib_len']} tokens (its "
+                    "time and peak RSS; no perplexity of random weights is shown).\n")
+        body.append(table(["model", "recipe", "parameters", "quantize s", "s / 1e9 params", "vs smallest",
+                           "peak RSS GiB", "activations MiB", "written GiB", "eval s", "eval peak RSS GiB"], rows,
+                          ["---", "---", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:"]))
+        body.append("\n" + source([name], f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; "
+                                         f"jax {m['jax']}; {m['when']}") + "\n")
+    return "\n".join(body)
+
+
 # ------------------------------------------------------------------------------------------- kv levels
 def page_kv() -> str:
     body = [f"# 2-bit KV-cache levels\n\n{GENERATED}\n",
@@ -1035,6 +1071,7 @@ PAGES: dict[str, tuple[str, Callable[[], str], str]] = {
     "gpu.md": ("GPU kernels (H200)", page_gpu, "kernels_h200*.json, gpu_model_h200*.json, kernel_tune_h200*.json"),
     "distributed.md": ("Multiple devices", page_distributed, "distributed*.json"),
     "memory.md": ("GPTQ memory", page_memory, "gptq_memory*.json"),
+    "scale.md": ("Cost against model size", page_scale, "scale*.json"),
     "robustness.md": ("Robustness", page_robustness, "robustness.json"),
     "validators.md": ("Recipe-file validation", page_validators, "validators.json"),
     "main_job.md": ("Main job", page_main_job, "main_job.md"),

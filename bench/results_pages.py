@@ -906,6 +906,21 @@ def page_scale() -> str:
     return "\n".join(body)
 
 
+# ------------------------------------------------------------------------------------------------- qat
+def page_qat() -> str:
+    body = [f"# Quantization-aware training\n\n{GENERATED}\n",
+            "```bash\npython bench/qat.py --recipes w3g128-gptq-search+qat --qat-tokens 131072 --seeds 0\n```\n"]
+    if not exists("qat.json"):
+        return "\n".join(body + ["Not measured yet.\n"])
+    import qat as qat_bench  # bench/qat.py: the table and targets it prints
+
+    d = load("qat.json")
+    text = qat_bench.markdown(d["rows"], qat_bench.references(), d["protocol"])
+    body.append(text.split("\n", 1)[1].lstrip())  # its own title dropped
+    body.append(source(["qat.json"], d["rows"][0].get("machine", "not recorded") if d["rows"] else "-") + "\n")
+    return "\n".join(body)
+
+
 # ------------------------------------------------------------------------------------------- kv levels
 def page_kv() -> str:
     body = [f"# 2-bit KV-cache levels\n\n{GENERATED}\n",
@@ -1072,6 +1087,7 @@ PAGES: dict[str, tuple[str, Callable[[], str], str]] = {
     "distributed.md": ("Multiple devices", page_distributed, "distributed*.json"),
     "memory.md": ("GPTQ memory", page_memory, "gptq_memory*.json"),
     "scale.md": ("Cost against model size", page_scale, "scale*.json"),
+    "qat.md": ("Quantization-aware training", page_qat, "qat.json"),
     "robustness.md": ("Robustness", page_robustness, "robustness.json"),
     "validators.md": ("Recipe-file validation", page_validators, "validators.json"),
     "main_job.md": ("Main job", page_main_job, "main_job.md"),

@@ -3,6 +3,7 @@
 The public surface; implementation modules are importable too but may change.
 """
 
+from eqjax import qat  # quantization-aware training: eqjax.qat.train
 from eqjax.api import QuantizedFunction, QuantizedLinen, QuantizedNNX, quantize_model
 from eqjax.calibration.ema import EmaState, ema_absmax, scale_from_state
 from eqjax.core.errors import EqjaxError, InputError, RecipeError, RuleError, RuntimeFailure
@@ -33,6 +34,6 @@ __all__ = [
     "ActQuantKernel", "Context", "EmaState", "EqjaxError", "Granularity", "InputError", "QArray", "QArrayError",
     "QuantSpec", "QuantizedFunction", "QuantizedLinen", "QuantizedNNX", "Recipe", "RecipeError", "Rule", "RuleError",
     "RuntimeFailure", "dequantize", "ema_absmax", "fake_quantize", "get_recipe", "linear", "load_recipe",
-    "per_channel", "per_group", "per_input_group", "per_output_channel", "per_tensor", "quantize", "quantize_array",
+    "per_channel", "per_group", "per_input_group", "per_output_channel", "per_tensor", "qat", "quantize", "quantize_array",
     "quantize_model", "quantize_with", "recipe_names", "scale_from_state", "tree_nbytes", "use_backend", "validate",
 ]

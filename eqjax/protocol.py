@@ -317,6 +317,10 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
         "calib_windows": int(setup.calib_windows.shape[0]) if recipe.needs_calibration else 0,
         "recipe_fingerprint": recipe_fingerprint(recipe),
     }
+    trained = {s.name: dict(s.report) for s in recipe.steps if isinstance(getattr(s, "report", None), dict)
+               and all(isinstance(v, (int, float)) for v in s.report.values())}
+    if trained:
+        row["step_reports"] = trained
     for name, windows in setup.extra_eval.items():
         extra = perplexity(setup.model, qparams, windows, batch_size=batch_size, kv_quant=recipe.kv, progress=progress)
         row[f"ppl_{name}"] = extra.ppl

@@ -1,13 +1,20 @@
 """Flags several ``eqjax`` commands share, under one name and default everywhere: ``--calib-windows``,
-``--calib-len`` (calibration window length, tokens) and ``--eval-len`` (evaluation window length, tokens).
+``--calib-len`` (calibration window length, tokens), ``--eval-len`` (evaluation window length, tokens) and the
+quantization-aware training flags of ``+qat`` recipes (``--qat-tokens``, ``--qat-lr``, ``--qat-state``).
 Older spellings (``--calib-ctx``, ``--ctx``) stay accepted as hidden aliases of the same argument."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-__all__ = ["CALIB_LEN", "CALIB_WINDOWS", "add_aliased", "add_calibration_args", "add_eval_len"]
+from eqjax.core.errors import InputError
+from eqjax.methods.qat import QAT
+from eqjax.recipes.types import Recipe
+
+__all__ = ["CALIB_LEN", "CALIB_WINDOWS", "add_aliased", "add_calibration_args", "add_eval_len", "add_qat_args",
+           "with_qat_args"]
 
 CALIB_WINDOWS = 16
 CALIB_LEN = 512
@@ -36,3 +43,43 @@ def add_eval_len(p: argparse.ArgumentParser, default: int, *, what: str = "", al
     """``--eval-len`` (``--ctx`` too where ``aliases``)."""
     add_aliased(p, "--eval-len", ("--ctx",) if aliases else (), type=int, default=default,
                 help=f"evaluation window length in tokens{what} (default {default})")
+
+
+def add_qat_args(p: argparse.ArgumentParser) -> None:
+    """``--qat-tokens``, ``--qat-lr`` and ``--qat-state`` (the QAT step of a ``+qat`` recipe)."""
+    p.add_argument("--qat-tokens", type=int, default=None,
+                   help=f"training tokens of a +qat recipe (default {QAT.tokens}; from the calibration windows, cycled)")
+    p.add_argument("--qat-lr", type=float, default=None,
+                   help=f"learning rate of the scales and zero points of a +qat recipe (default {QAT.lr_scale}; "
+                        f"weights: a tenth of it)")
+    p.add_argument("--qat-state", default=None,
+                   help="directory for the training state of a +qat recipe: saved as it trains; a rerun resumes")
+
+
+def with_qat_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
+    """``recipe`` with its QAT step set from the flags; a flag given for a recipe without one is an error."""
+    given = {f: getattr(args, f, None) for f in ("qat_tokens", "qat_lr", "qat_state")}
+    if all(v is None for v in given.values()):
+        return recipe
+    flag = "--" + next(k for k, v in given.items() if v is not None).replace("_", "-")
+    if not any(isinstance(s, QAT) for s in recipe.steps):
+        raise InputError(f"{flag} trains a +qat recipe: expected a recipe with quantization-aware training "
+                         f"(e.g. {recipe.name}+qat), found {recipe.name!r}")
+    if given["qat_tokens"] is not None and given["qat_tokens"] < 1:
+        raise InputError(f"bad --qat-tokens: expected >= 1, found {given['qat_tokens']}")
+    if given["qat_lr"] is not None and not given["qat_lr"] > 0:
+        raise InputError(f"bad --qat-lr: expected > 0, found {given['qat_lr']}")
+
+    def setup(s: Any) -> Any:
+        if not isinstance(s, QAT):
+            return s
+        kw: dict[str, Any] = {}
+        if given["qat_tokens"] is not None:
+            kw["tokens"] = given["qat_tokens"]
+        if given["qat_lr"] is not None:
+            kw.update(lr_scale=given["qat_lr"], lr_weight=given["qat_lr"] / 10)
+        if given["qat_state"] is not None:
+            kw["checkpoint"] = given["qat_state"]
+        return dataclasses.replace(s, **kw)
+
+    return dataclasses.replace(recipe, steps=tuple(setup(s) for s in recipe.steps))

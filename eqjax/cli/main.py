@@ -24,7 +24,7 @@ import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
 from eqjax.cli.export import add_export_args, add_gguf_args, check_export_args, check_gguf_args, export_main, gguf_main
-from eqjax.cli.flags import add_calibration_args, add_eval_len
+from eqjax.cli.flags import add_calibration_args, add_eval_len, add_qat_args, with_qat_args
 from eqjax.cli.formats import (
     add_format_args,
     check_format,
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the result object here")
     p.add_argument("--also-eval", action="append", default=[], choices=("news",),
                    help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
+    add_qat_args(p)
     _add_overwrite(p, "the --json file")
     _add_debug(p)
     _add_low_memory(p)
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None)
     add_calibration_args(p, aliases=True)
     p.add_argument("--seed", type=int, default=0)
+    add_qat_args(p)
     add_format_args(p)
     _add_overwrite(p, "the checkpoint directory")
     _add_debug(p)
@@ -197,6 +199,14 @@ def _recipes(names: str | None) -> list[Any]:
         return recipes
     wanted = list(DEFAULT_RUN_RECIPES) + [n for n in CALIBRATED_RUN_RECIPES if n in RECIPES]
     return [get_recipe(n) for n in wanted]
+
+
+def _qat_recipe(args: argparse.Namespace) -> Any:
+    """``--recipe`` with the QAT flags applied; a +qat recipe runs in one process."""
+    recipe = with_qat_args(get_recipe(args.recipe), args)
+    if any(getattr(s, "name", "") == "qat" for s in recipe.steps) and (getattr(args, "num_processes", None) or 1) > 1:
+        raise InputError(f"recipe {recipe.name!r} trains the whole model in one process; drop --num-processes")
+    return recipe
 
 
 def _check_int(flag: str, value: Any, lo: int, what: str) -> None:
@@ -349,7 +359,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         manifest = read_manifest(args.checkpoint)
         recipe = None
     else:
-        recipe = get_recipe(args.recipe)
+        recipe = _qat_recipe(args)
+    if not args.recipe:
+        with_qat_args(Recipe("checkpoint", ()), args)  # a QAT flag without a recipe to train: refused
     if args.json:
         check_output_file(args.json, overwrite=args.overwrite, what="--json file")
 
@@ -388,7 +400,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     check_protocol_args(ctx=2, eval_tokens=2, calib_windows=args.calib_windows, calib_ctx=args.calib_len, seed=args.seed)
     _check_model_path(args.model)
-    recipe = get_recipe(args.recipe)
+    recipe = _qat_recipe(args)
     check_format(args.format, recipe, stream=args.stream, model=args.model)
     if recipe.needs_calibration:
         _check_text_path(args.text)

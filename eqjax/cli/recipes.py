@@ -36,6 +36,7 @@ from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.methods.awq import AWQ
 from eqjax.methods.halffloat import HALF_KINDS, HalfFloats
 from eqjax.methods.lkd import ZeroQuantLKD
+from eqjax.methods.qat import QAT
 from eqjax.methods.rotation import Rotation
 from eqjax.methods.smoothquant import SmoothQuant
 from eqjax.recipes.registry import EMBEDDINGS, HALF_SUFFIXES, RECIPES, embedding_rule_dict
@@ -177,7 +178,8 @@ def recipe_rows(pattern: str | None = None) -> list[dict[str, Any]]:
 
 def suffix_rows() -> list[tuple[str, str]]:
     """``(+suffix, what it does)`` for every recipe-name suffix of the registry."""
-    out = []
+    out = [("+qat", f"first: quantization-aware training of a weight-only recipe's quantized weights "
+                    f"({QAT.tokens} tokens unless --qat-tokens)")]
     for kind in EMBEDDINGS:
         d = embedding_rule_dict(kind)
         how = "per row" if d["granularity"] == "channel" else f"groups of {d['group_size']}"
@@ -202,7 +204,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(x[:-1], widths)) + "  " + x[-1] for x in (head, *body)]
     ref = ", ".join(f"{p.split('/')[-2]} {i}x{o}" for p, (i, o) in REFERENCE_SHAPES.items())
     lines += ["", f"bits/w: stored bits (codes + scales + zero points) per linear weight of a decoder block ({ref})",
-              "suffixes (after any recipe name, e.g. w4g128-gptq+emb-int8+f16; at most one +emb-*, then +f16 or +bf16):"]
+              "suffixes (after any recipe name, e.g. w4g128-gptq+qat+emb-int8+f16; +qat first, then at most one +emb-*, then +f16 or +bf16):"]
     sw = max(len(s) for s, _ in suffix_rows())
     lines += [f"  {s.ljust(sw)}  {what}" for s, what in suffix_rows()]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +229,13 @@ def _round_up_to(scale: jax.Array, dtype: str) -> jax.Array:
     s = scale.astype(dt)
     s = jnp.where(s.astype(jnp.float32) < scale, jnp.nextafter(s, jnp.asarray(jnp.inf, dt)), s)
     return jnp.maximum(s, jnp.asarray(jnp.finfo(dt).smallest_subnormal, dt))
+
+
+def nearest_scale(s: jax.Array, dtype: Any) -> jax.Array:
+    """The nearest ``dtype`` value of a positive scale, kept > 0 (a learned scale as a QArray stores it)."""
+    dt = jnp.dtype(dtype)
+    r = s.astype(dt)
+    return jnp.where(r > 0, r, jnp.asarray(jnp.finfo(dt).smallest_subnormal, dt))
 
 
 def symmetric_bounds(bits: int) -> tuple[int, int]:

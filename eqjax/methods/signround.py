@@ -52,6 +52,7 @@ from eqjax.core.numerics import (
     _unblock,
     compute_range,
     fake_quantize_grid,
+    nearest_scale,
     quantize_with,
     range_to_qparams,
     round_ste,
@@ -81,13 +82,6 @@ def _grid_from_factors(s0, z0, a, b, bits: int, symmetric: bool):
     s = jnp.maximum((hi - lo) / q, 1e-12)
     z = jnp.clip(round_ste(-lo / s), 0, q)
     return s, z
-
-
-def _to_stored(s: jax.Array, scale_dtype: str) -> jax.Array:
-    """Nearest ``scale_dtype`` value of a positive scale (kept > 0)."""
-    dt = jnp.dtype(scale_dtype)
-    r = s.astype(dt)
-    return jnp.where(r > 0, r, jnp.asarray(jnp.finfo(dt).smallest_subnormal, dt))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +227,7 @@ class SignRound:
                 a, b = tv[w]["a"], tv[w]["b"]
                 s, z = _grid_from_factors(s0, z0, a, b, spec.bits, spec.symmetric)
                 v = tv[w]["v"]
-            stored = _to_stored(s, spec.scale_dtype)
+            stored = nearest_scale(s, spec.scale_dtype)
             s32 = stored.astype(jnp.float32)
             x = jnp.asarray(p[w], jnp.float32)
             if tv is not None:

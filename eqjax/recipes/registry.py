@@ -5,7 +5,8 @@ recipes apply to any model eqjax can trace; embedding tables (and a tied LM head
 is not a matmul weight stay in float, unless the name ends in ``+emb-int8`` (the embedding / tied LM
 head int8 per row, symmetric), ``+emb-int4`` (int4 groups of 32, asymmetric, float16 scales) or
 ``+emb-w7a8`` (7-bit per row in int8 storage, a tied head's activations int8 per token): any recipe,
-e.g. ``w4g128-gptq+emb-int4``; a final ``+f16`` / ``+bf16`` stores every param still float in 16 bits
+e.g. ``w4g128-gptq+emb-int4``; ``+qat`` (first of the suffixes) trains the recipe's quantized weights end to end
+after its post-training steps (:mod:`eqjax.methods.qat`, e.g. ``w3g128-gptq+qat``); a final ``+f16`` / ``+bf16`` stores every param still float in 16 bits
 (:mod:`eqjax.methods.halffloat`; ``fp+f16`` is the float16 model). Granularities are role-relative: one scale per output channel,
 or groups along the input. Group-wise recipes store float16 scales (rounded up), the per-channel and
 per-tensor ones float32.
@@ -28,6 +29,7 @@ from eqjax.methods.grid import SearchedRTN
 from eqjax.methods.halffloat import HALF_KINDS, HalfFloats
 from eqjax.methods.kvquant import KVQuant
 from eqjax.methods.lkd import ZeroQuantLKD
+from eqjax.methods.qat import QAT
 from eqjax.methods.rotation import Rotation
 from eqjax.methods.rtn import RTN
 from eqjax.methods.signround import SignRound
@@ -38,7 +40,7 @@ from eqjax.recipes.schema import SchemaError, validate_recipe_dict
 from eqjax.recipes.types import Recipe
 
 __all__ = ["EMBEDDINGS", "RECIPES", "embedding_step", "get_recipe", "recipe_names", "weight_rule",
-           "with_embedding", "with_half_floats"]
+           "with_embedding", "with_half_floats", "with_qat"]
 
 EMBEDDINGS = ("int8", "int4", "w7a8")
 
@@ -119,6 +121,7 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
     "w4g128-rtn": _rtn("w4g128-rtn", "W4 asymmetric, group 128, round to nearest", weight_rule(4, symmetric=False, group=128)),
     "w4g128-rtn-sym": _rtn("w4g128-rtn-sym", "W4 symmetric (16 codes), group 128, round to nearest", weight_rule(4, group=128)),
     "w3g128-rtn": _rtn("w3g128-rtn", "W3 asymmetric, group 128, round to nearest", weight_rule(3, symmetric=False, group=128)),
+    "w2g64-rtn": _rtn("w2g64-rtn", "W2 asymmetric, group 64, round to nearest", weight_rule(2, symmetric=False, group=64)),
     # SmoothQuant (alpha smoothing, then W8 per-channel + A8 per-token), ZeroQuant + LKD, KV cache.
     "w8a8-smoothquant": lambda: _smoothquant("w8a8-smoothquant", 0.85),
     "w8a8-smoothquant-a0.5": lambda: _smoothquant("w8a8-smoothquant-a0.5", 0.5),
@@ -205,6 +208,8 @@ SEARCHED_AND_LEARNED: dict[str, Callable[[], Recipe]] = {
                                         "W3 asymmetric g128, grid per group searched (H-weighted)"),
     "w3g128-gptq-search": lambda: Recipe("w3g128-gptq-search", (_gptq(bits=3, grid="search"),),
                                          "GPTQ W3 asymmetric g128, act-order, searched static grids"),
+    "w2g64-gptq-search": lambda: Recipe("w2g64-gptq-search", (_gptq(bits=2, group_size=64, grid="search"),),
+                                        "GPTQ W2 asymmetric g64, act-order, searched static grids"),
     "w3g128-awq-gptq-search": lambda: Recipe("w3g128-awq-gptq-search", (_awq(bits=3, clip=False), _gptq(bits=3, grid="search")),
                                              "AWQ scales, then GPTQ W3 asymmetric g128 on searched static grids"),
     "w3g128-signround": lambda: Recipe("w3g128-signround", (_signround(bits=3),),
@@ -301,8 +306,28 @@ def with_half_floats(recipe: Recipe, kind: str) -> Recipe:
                                steps=tuple(recipe.steps) + (HalfFloats(HALF_KINDS[kind]),))
 
 
+def with_qat(recipe: Recipe, step: QAT | None = None) -> Recipe:
+    """``recipe`` followed by end-to-end quantization-aware training (named ``<recipe>+qat``). Refused for a
+    recipe that quantizes nothing, quantizes activations or the KV cache, or rotates (QAT trains
+    weight-only QArrays)."""
+    import dataclasses
+
+    where = f"recipe {recipe.name!r} with +qat"
+    if recipe.kv is not None:
+        raise RecipeError(f"{where}: expected a weight-only recipe, found KV-cache quantization")
+    for s in recipe.steps:
+        acts = [r for r in getattr(s, "rules", ()) if getattr(r, "act_bits", None) is not None]
+        if acts or isinstance(s, (SmoothQuant, ZeroQuantLKD, Rotation)) or getattr(s, "act_bits", None) is not None:
+            raise RecipeError(f"{where}: expected a weight-only recipe, found step {s.name!r} "
+                              "(activation quantization or a rotation)")
+    if not any(getattr(s, "name", "") != "half" and not isinstance(s, HalfFloats) for s in recipe.steps):
+        raise RecipeError(f"{where}: expected a recipe that quantizes weights, found no quantizing step")
+    return dataclasses.replace(recipe, name=f"{recipe.name}+qat", steps=tuple(recipe.steps) + (step or QAT(),),
+                               description=f"{recipe.description}; then quantization-aware training")
+
+
 HALF_SUFFIXES = ("f16", "bf16")
-SUFFIXES = tuple(f"emb-{k}" for k in EMBEDDINGS) + HALF_SUFFIXES
+SUFFIXES = ("qat",) + tuple(f"emb-{k}" for k in EMBEDDINGS) + HALF_SUFFIXES
 
 
 def _is_file(name: str) -> bool:
@@ -319,7 +344,7 @@ def split_suffixes(name: str) -> tuple[str, list[str]]:
         if base in RECIPES or _is_file(base):
             return base, parts[i:]
     raise RecipeError(f"unknown recipe {name!r}; built-in: {', '.join(RECIPES)}, each optionally with "
-                      f"+emb-int8 / +emb-int4 / +emb-w7a8, then +f16 / +bf16 (or a .toml/.json file)")
+                      f"+qat, then +emb-int8 / +emb-int4 / +emb-w7a8, then +f16 / +bf16 (or a .toml/.json file)")
 
 
 def check_suffixes(name: str, suffixes: list[str]) -> None:
@@ -330,7 +355,7 @@ def check_suffixes(name: str, suffixes: list[str]) -> None:
         if sfx.startswith("emb-") and sfx not in SUFFIXES:
             embedding_rule_dict(sfx[len("emb-"):])  # names the embedding options
         if sfx not in SUFFIXES:
-            raise RecipeError(f"unknown recipe suffix ({where}): expected "
+            raise RecipeError(f"unknown recipe suffix ({where}): expected +qat, then "
                               f"{' / '.join('+emb-' + k for k in EMBEDDINGS)}, then +f16 / +bf16, found {'+' + sfx!r}")
     dup = next((x for i, x in enumerate(suffixes) if x in suffixes[:i]), None)
     if dup is not None:
@@ -340,6 +365,10 @@ def check_suffixes(name: str, suffixes: list[str]) -> None:
         if len(group) > 1:
             raise RecipeError(f"conflicting recipe suffixes ({where}): expected at most one {kind} suffix, found "
                               + " and ".join(repr("+" + x) for x in group))
+    if "qat" in suffixes[1:]:
+        raise RecipeError(f"misordered recipe suffixes ({where}): expected +qat first, right after the base recipe, "
+                          f"found it after {'+' + suffixes[suffixes.index('qat') - 1]!r}")
+    suffixes = [x for x in suffixes if x != "qat"]
     if len(suffixes) == 2 and suffixes[0] in HALF_SUFFIXES:
         raise RecipeError(f"misordered recipe suffixes ({where}): expected +emb-* before +f16 / +bf16, found "
                           f"'+{suffixes[0]}' before '+{suffixes[1]}'")
@@ -364,7 +393,10 @@ def get_recipe(name: str) -> Recipe:
 
         recipe = load_recipe(base)
     for sfx in suffixes:
-        recipe = with_half_floats(recipe, sfx) if sfx in HALF_SUFFIXES else with_embedding(recipe, sfx[len("emb-"):])
+        if sfx == "qat":
+            recipe = with_qat(recipe)
+        else:
+            recipe = with_half_floats(recipe, sfx) if sfx in HALF_SUFFIXES else with_embedding(recipe, sfx[len("emb-"):])
     return recipe
 
 
@@ -390,6 +422,7 @@ STEP_TYPES: dict[str, type] = {
     "zeroquant_lkd": ZeroQuantLKD,
     "rtn_search": SearchedRTN,
     "signround": SignRound,
+    "qat": QAT,
     "half": HalfFloats,
 }
 

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import pathlib
 import time
 from typing import Any, Callable, Sequence
@@ -30,7 +31,7 @@ import numpy as np
 
 from eqjax.core.errors import InputError
 
-__all__ = ["TrainRun", "fit", "batch_order"]
+__all__ = ["TrainRun", "fit", "batch_order", "check_run_dir"]
 
 log = logging.getLogger("eqjax")
 
@@ -82,16 +83,25 @@ def _manager(directory: pathlib.Path) -> Any:
     return ocp.CheckpointManager(directory.resolve() / "state", options=opts)
 
 
-def _open(checkpoint: str | pathlib.Path, info: dict[str, Any]) -> pathlib.Path:
-    """The run directory, created or checked (refused if it holds another run or foreign files)."""
+def check_run_dir(checkpoint: str | pathlib.Path, flag: str = "training checkpoint") -> pathlib.Path:
+    """``checkpoint`` as a path a run may use: new, empty, or one a run wrote (holding ``run.json``); a file or
+    a directory of other files is an :class:`InputError` naming ``flag`` (checked before any work)."""
     d = pathlib.Path(checkpoint)
     if d.exists() and not d.is_dir():
-        raise InputError(f"training checkpoint ({d}): expected a directory, found a file")
+        raise InputError(f"{flag} ({d}): expected a directory, found a file")
+    if d.is_dir() and any(d.iterdir()) and not (d / _RUN_FILE).is_file():
+        raise InputError(f"{flag} ({d}): expected an empty directory or one eqjax's training wrote "
+                         f"(with {_RUN_FILE}), found other files; choose another directory")
+    if not d.exists() and d.parent.exists() and not os.access(d.parent, os.W_OK):
+        raise InputError(f"{flag} ({d}): its parent directory is not writable")
+    return d
+
+
+def _open(checkpoint: str | pathlib.Path, info: dict[str, Any]) -> pathlib.Path:
+    """The run directory, created or checked (refused if it holds another run or foreign files)."""
+    d = check_run_dir(checkpoint)
     run = d / _RUN_FILE
     if d.is_dir() and any(d.iterdir()):
-        if not run.is_file():
-            raise InputError(f"training checkpoint ({d}): expected an empty directory or one eqjax's training wrote "
-                             f"(with {_RUN_FILE}), found other files; choose another directory")
         try:
             old = json.loads(run.read_text())
         except (OSError, ValueError) as e:
@@ -120,6 +130,7 @@ def fit(
     log_every: int = 10,
     on_step: Callable[[int, float], None] | None = None,
     consts: tuple[Any, ...] = (),
+    describe: dict[str, Any] | None = None,
 ) -> TrainRun:
     """Run ``step`` (a pure function, jitted here) ``steps`` times from ``state``; see the module docs.
 
@@ -131,6 +142,8 @@ def fit(
       checkpoint, save_every: where and how often to save (None: no saves, no resume).
       on_step: called with ``(step, loss)`` after each step (e.g. to stop a test run mid-way).
       consts: further arguments of every step (frozen params, a teacher): neither saved nor donated.
+      describe: JSON-able settings of the run (learning rates, ...) recorded in ``run.json``: a resume with
+        other settings is refused.
     """
     if not batches:
         raise InputError("training data (batches): expected at least one batch, found none")
@@ -140,7 +153,7 @@ def fit(
     state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # donated below: never a caller's buffer
     mgr, first = None, 0
     if checkpoint is not None:
-        d = _open(checkpoint, _describe(state, batches, steps, seed))
+        d = _open(checkpoint, {**_describe(state, batches, steps, seed), "settings": describe or {}})
         mgr = _manager(d)
         latest = mgr.latest_step()
         if latest is not None:

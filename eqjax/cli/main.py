@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
+from eqjax.calibration.train import check_run_dir
 from eqjax.cli.export import add_export_args, add_gguf_args, check_export_args, check_gguf_args, export_main, gguf_main
 from eqjax.cli.flags import add_calibration_args, add_eval_len, add_qat_args, with_qat_args
 from eqjax.cli.formats import (
@@ -204,6 +205,8 @@ def _recipes(names: str | None) -> list[Any]:
 def _qat_recipe(args: argparse.Namespace) -> Any:
     """``--recipe`` with the QAT flags applied; a +qat recipe runs in one process."""
     recipe = with_qat_args(get_recipe(args.recipe), args)
+    if getattr(args, "qat_state", None):
+        check_run_dir(args.qat_state, "--qat-state")
     if any(getattr(s, "name", "") == "qat" for s in recipe.steps) and (getattr(args, "num_processes", None) or 1) > 1:
         raise InputError(f"recipe {recipe.name!r} trains the whole model in one process; drop --num-processes")
     return recipe

@@ -295,7 +295,8 @@ class QAT:
                  steps * _tokens_of(batches[0]))
         run = fit(step, (train, tx.init(train)), batches, steps=steps, seed=self.seed + int(ctx.seed),
                   checkpoint=None if self.checkpoint is None else pathlib.Path(self.checkpoint),
-                  save_every=self.save_every, consts=(frozen, ctx.template))
+                  save_every=self.save_every, consts=(frozen, ctx.template),
+                  describe={k: v for k, v in dataclasses.asdict(self).items() if k not in ("checkpoint", "save_every")})
         out = dict(params)
         out.update(export(run.state[0]))
         report = {"steps": steps, "tokens": steps * _tokens_of(batches[0]), "first_step": run.first_step,

@@ -81,3 +81,14 @@ def test_eval_refuses_qat_flags_with_a_checkpoint(ckpt, tmp_path, capsys):
     assert main(["eval", "--model", str(ckpt), "--checkpoint", str(q), "--qat-state", str(tmp_path / "s"),
                  "--eval-tokens", "64", "--eval-len", "32"]) == 2
     assert "--qat-state trains a +qat recipe" in capsys.readouterr().err
+
+
+def test_a_qat_state_directory_eqjax_did_not_write_is_refused_before_work(ckpt, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(ckpt), "--recipe", "w4g128-rtn+qat", "--qat-state", str(mine), *SMALL,
+                 "--out", str(out)]) == 2
+    assert "--qat-state" in capsys.readouterr().err and not out.exists()
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

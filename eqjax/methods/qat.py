@@ -264,6 +264,7 @@ class QAT:
     seed: int = 0
     name: str = "qat"
     needs_calibration = True
+    end_to_end = True  # runs on the whole model: not unit by unit (eqjax.recipes.stream refuses it)
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:

@@ -88,6 +88,9 @@ def check_streamable(recipe: Recipe) -> None:
         if getattr(step, "then", None) is not None:
             raise RecipeError(f"recipe {recipe.name!r}, step {step.name!r}: a rotation spans the whole model and is "
                               "not streamed; quantize in memory")
+        if getattr(step, "end_to_end", False):
+            raise RecipeError(f"recipe {recipe.name!r}, step {step.name!r}: it trains the whole model end to end and "
+                              "is not streamed; quantize in memory")
         if getattr(step, "needs_calibration", False) and getattr(step, "advance", None) not in ("new", "original"):
             raise RecipeError(f"recipe {recipe.name!r}, step {getattr(step, 'name', type(step).__name__)!r}: a "
                               "calibrated step must declare advance = 'new' or 'original' to be streamed")

@@ -67,6 +67,7 @@ def test_eval_reports_the_training(ckpt, tmp_path):
     (["--recipe", "w4g128-rtn+qat", "--qat-tokens", "0"], "bad --qat-tokens"),
     (["--recipe", "w8a8-smoothquant+qat"], "expected a weight-only recipe"),
     (["--recipe", "w4g128-rtn+emb-int8+qat"], "expected \\+qat first"),
+    (["--recipe", "w4g128-rtn+qat", "--format", "compressed-tensors", "--stream"], "end to end and is not streamed"),
 ])
 def test_refusals_before_any_work(ckpt, tmp_path, capsys, argv, match):
     out = tmp_path / "q"

@@ -15,6 +15,7 @@ and N hosts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from eqjax.core.errors import CompatibilityError, InputError, NonFiniteResult
+from eqjax.core.linear import current_backend, use_backend
 from eqjax.core.pytree import tree_nbytes
 from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step
 
@@ -45,7 +47,8 @@ class PplResult:
       ctx: window length.
       windows: number of windows.
       seconds: wall time of the scoring, excluding compilation.
-      compile_seconds: time to trace and compile the scoring function.
+      compile_seconds: time to trace and compile the scoring function (near zero where an earlier call
+        compiled it for the same model, params structure and shapes).
       tokens_per_s: ``tokens / seconds``.
     """
 
@@ -67,6 +70,23 @@ def window_nll(model: Any, params: Any, tokens: jax.Array, kv_quant: Any = None)
     tgt = tokens[:, 1:]
     nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     return jnp.sum(nll, axis=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _scoring_fn(model: Any, kv_quant: Any, mesh: Mesh, backend: str) -> Any:
+    """The jitted per-window NLL of ``model`` on ``mesh``, gathered and replicated: one function per
+    (model, kv_quant, mesh, :func:`eqjax.core.linear.use_backend` backend), so that params of the same
+    structure, shapes and dtypes (the :func:`ulp_bumped` copies of :func:`rounding_band`, another
+    checkpoint of the same model) reuse its compiled code instead of tracing and compiling the whole model
+    again. The backend is part of the key: switching backends traces anew instead of reusing the other's."""
+    axes = slot_axes(mesh)
+
+    def body(p: Any, t: jax.Array) -> jax.Array:
+        with use_backend(backend):
+            nll = window_nll(model, p, t[0], kv_quant)
+        return jax.lax.all_gather(nll, axes)  # [S, bs], replicated
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
 
 
 def perplexity(
@@ -101,12 +121,10 @@ def perplexity(
     bs = max(1, min(batch_size, n))
     batches = [(np.concatenate([windows[i:i + bs], np.repeat(windows[-1:], max(0, i + bs - n), axis=0)]),)
                for i in range(0, n, bs)]
-    axes = slot_axes(mesh)
-
-    def body(p: Any, t: jax.Array) -> jax.Array:
-        return jax.lax.all_gather(window_nll(model, p, t[0], kv_quant), axes)  # [S, bs], replicated
-
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
+    # reused only for a model and KV quantizer that hash by value (frozen dataclasses): an object hashed by
+    # identity may change between calls, and a function traced earlier would not see that
+    by_value = all(x is None or type(x).__hash__ not in (None, object.__hash__) for x in (model, kv_quant))
+    fn = (_scoring_fn if by_value else _scoring_fn.__wrapped__)(model, kv_quant, mesh, current_backend())
     params = jax.tree.map(lambda x: put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
     steps = -(-len(batches) // mesh.size)
     t0 = time.perf_counter()

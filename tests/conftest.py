@@ -1,4 +1,4 @@
-"""Shared test setup: CPU only, float32 matmuls at full precision, hypothesis profiles.
+"""Shared test setup: CPU only, one OpenBLAS thread, float32 matmuls at full precision, hypothesis profiles.
 
 Hypothesis profiles (``HYPOTHESIS_PROFILE``, default ``ci``):
 
@@ -15,6 +15,11 @@ import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One OpenBLAS thread per process (numpy's and scipy's BLAS/LAPACK; read when the library loads, so before
+# numpy is imported; the CLI subprocesses of the tests inherit it). ``make test`` runs two workers on two
+# cores, each beside XLA's own thread pool; OpenBLAS's threads busy-wait for each other, and with no core
+# free for them a float64 Cholesky of GPTQ's 576 x 576 Hessian takes ~0.5 s instead of ~5 ms.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

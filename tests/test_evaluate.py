@@ -69,3 +69,29 @@ def test_rounding_band_of_a_w8a8_model_is_measured_on_it():
     band = rounding_band(model, qp, windows, bumps=(1, 2))
     assert len(band) == 3 and all(np.isfinite(band))
     assert max(band) / min(band) - 1 < 0.05
+
+
+
+def test_perplexity_reuses_its_traced_function_per_model_and_backend(monkeypatch):
+    """Params of the same structure and shapes (an ulp-bumped copy) reuse the first call's traced function;
+    another linear backend (:func:`eqjax.core.linear.use_backend`) traces anew, under that backend. Traces
+    are counted by the model's linears asking for the current backend, which they do only while tracing."""
+    import dataclasses
+
+    import eqjax.core.linear as linear_mod
+    from eqjax.core.linear import use_backend
+
+    model, params, windows = _tiny()
+    model = Model(dataclasses.replace(model.config, rope_theta=12345.0))  # a model no other test scores
+    seen: list[str] = []
+    backend = linear_mod.current_backend
+    monkeypatch.setattr(linear_mod, "current_backend", lambda: seen.append(backend()) or backend())
+    a = perplexity(model, params, windows).ppl
+    traced = len(seen)
+    assert traced > 0 and set(seen) == {"xla"}
+    b = perplexity(model, ulp_bumped(params, 1), windows).ppl
+    assert len(seen) == traced and np.isfinite(b) and abs(b / a - 1) < 1e-5  # float32: ulps stay ulps
+    with use_backend("pallas_interpret"):
+        c = perplexity(model, params, windows).ppl
+    assert len(seen) > traced and set(seen[traced:]) == {"pallas_interpret"}
+    assert c == a  # float kernels: every backend runs the same XLA matmuls

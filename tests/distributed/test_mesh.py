@@ -20,12 +20,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TIMEOUT_S = 420
 RECIPES = ("w4g128-gptq", "w8a8-smoothquant")
+MODEL_PARALLEL_TEST = "test_model_parallel_splits_weights_and_matches_one_device"
 
 
 @pytest.fixture(scope="module")
-def checks() -> dict:
+def checks(request: pytest.FixtureRequest) -> dict:
+    """One run of ``_mesh_checks.py`` for the module; with ``--model-parallel=4`` (also the ``data 1 x model
+    4`` mesh) when this pytest run selects :func:`test_model_parallel_splits_weights_and_matches_one_device`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    cmd = ["timeout", "-s", "KILL", str(TIMEOUT_S), sys.executable, str(HERE / "_mesh_checks.py"), ",".join(RECIPES)]
+    mp = any(it.path == request.path and it.name == MODEL_PARALLEL_TEST for it in request.session.items)
+    cmd = ["timeout", "-s", "KILL", str(TIMEOUT_S), sys.executable, str(HERE / "_mesh_checks.py"), ",".join(RECIPES),
+           *(["--model-parallel=4"] if mp else [])]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 0, f"mesh checks failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -53,14 +58,9 @@ def test_xtx_matches_float64_oracle(checks, how):
 
 
 @pytest.mark.slow
-def test_model_parallel_splits_weights_and_matches_one_device():
+def test_model_parallel_splits_weights_and_matches_one_device(checks):
     """``data 1 x model 4``: each device holds about a quarter of the quantized weights, same values."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    cmd = ["timeout", "-s", "KILL", str(TIMEOUT_S), sys.executable, str(HERE / "_mesh_checks.py"), ",".join(RECIPES),
-           "--model-parallel=4"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    assert r.returncode == 0, f"mesh checks failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = checks
     assert res["model_mesh"] == {"data": 1, "model": 4}
     for rec in RECIPES:
         assert res[f"{rec}@model"]["differ"] == 0 and res[f"{rec}@model"]["max_abs"] == 0.0, res[f"{rec}@model"]

@@ -23,7 +23,7 @@ from eqjax.core.qarray import QArray
 from eqjax.methods.qat import default_optimizer, kl_to_teacher
 from tests import zoo
 
-STEPS = 20
+STEPS = 30
 TX = default_optimizer(STEPS, lr_scale=3e-3, lr_weight=3e-3)
 
 

@@ -1,9 +1,9 @@
 """``eqjax.qat`` on every kind of model quantize_model takes: a linen module, an NNX module (with
 ``nnx.Optimizer`` on the quantized module, and through ``train``), a plain function, a Hugging Face Flax model.
 
-Each run distils the W3 model towards its float teacher: the KL to the teacher must fall well below where it
-started, and the trained QArrays run through the same quantized runner quantize_model returned, giving the
-fake-quantized model's logits (the exported weights are the trained forward's weights bit for bit; the two runs
+Each run distils a W3 model (W2 for the Hugging Face Llama) towards its float teacher: the KL to the teacher
+must fall well below where it started, and the trained QArrays run through the same quantized runner
+quantize_model returned, giving the fake-quantized model's logits (the exported weights are the trained forward's weights bit for bit; the two runs
 differ only by the float rounding of two compiled programs).
 """
 
@@ -52,9 +52,7 @@ def test_linen_module_trains_and_runs_in_its_quantized_runner():
     assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3])
     assert _kl(qm.apply({"params": qp2}, x), ref) < 0.8 * _kl(qm.apply({"params": qp}, x), ref)
     assert [q.bits for q in _qarrays(qp2)] == [q.bits for q in _qarrays(qp)]
-    deq = jax.tree.map(lambda v: eqjax.dequantize(v) if isinstance(v, QArray) else v, qp2,
-                       is_leaf=lambda v: isinstance(v, QArray))
-    _close(qm.apply({"params": qp2}, x), net.apply({"params": deq}, x))
+    _close(qm.apply({"params": qp2}, x), net.apply({"params": _dequantized(qp2)}, x))
 
 
 def test_nnx_module_trains_with_nnx_optimizer_and_freezes_to_quantized_nnx():
@@ -90,23 +88,37 @@ def test_nnx_train_returns_a_quantized_nnx():
     assert _kl(out(x), m(x)) < 0.8 * _kl(qn(x), m(x))
 
 
-def test_plain_function_and_hf_model():
+def _kl_all(run, ref_run, batches):
+    """Mean KL to the teacher over every training batch (the tiny models overfit any single one)."""
+    return float(np.mean([_kl(run(*b), ref_run(*b)) for b in batches]))
+
+
+def _dequantized(tree):
+    return jax.tree.map(lambda v: eqjax.dequantize(v) if isinstance(v, QArray) else v, tree,
+                        is_leaf=lambda v: isinstance(v, QArray))
+
+
+def test_plain_function_trains():
     fn, params = zoo.nnx_function(zoo.make_nnx()[0])
     batches = zoo.token_batches()
-    qf, qp = eqjax.quantize_model(fn, "w4g128-rtn", params=params, calibration=batches)
-    losses = []
-    qp2 = qat.train(fn, qp, teacher=params, data=batches, steps=STEPS, optimizer=TX,
-                    on_step=lambda t, l: losses.append(l))
-    assert np.mean(losses[-3:]) < np.mean(losses[:3])
-    assert qf(qp2, batches[0][0]).shape == fn(params, batches[0][0]).shape
+    qf, qp = eqjax.quantize_model(fn, "w3g128-rtn", params=params, calibration=batches)
+    qp2 = qat.train(fn, qp, teacher=params, data=batches, steps=STEPS, optimizer=TX)
+    teacher = lambda *b: fn(params, *b)  # noqa: E731
+    before = _kl_all(lambda *b: fn(_dequantized(qp), *b), teacher, batches)
+    assert _kl_all(lambda *b: fn(_dequantized(qp2), *b), teacher, batches) < 0.8 * before
+    _close(qf(qp2, *batches[0]), fn(_dequantized(qp2), *batches[0]))
+
+
+def test_hugging_face_flax_model_trains():
+    # The tiny Llama's 0.02-std init leaves W3 g128 almost lossless: train W2 g64, where there is a gap.
     hf = zoo.make_hf_llama()
     hb = zoo.hf_batches()
-    qm, qp = eqjax.quantize_model(hf, "w4g128-rtn", calibration=hb)
-    losses = []
-    qp2 = qat.train(hf, qp, teacher=hf.params, data=hb, steps=STEPS, optimizer=TX,
-                    on_step=lambda t, l: losses.append(l))
-    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    _, qp = eqjax.quantize_model(hf, "w2g64-rtn", calibration=hb)
+    qp2 = qat.train(hf, qp, teacher=hf.params, data=hb, steps=STEPS, optimizer=TX)
     assert len(_qarrays(qp2)) == len(_qarrays(qp))
+    run = lambda tree: lambda *b: hf(*b, params=_dequantized(tree)).logits  # noqa: E731
+    teacher = lambda *b: hf(*b, params=hf.params).logits  # noqa: E731
+    assert _kl_all(run(qp2), teacher, hb) < 0.8 * _kl_all(run(qp), teacher, hb)
 
 
 def test_bad_calls_are_one_line_errors():

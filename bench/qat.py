@@ -97,10 +97,12 @@ def markdown(rows: list[dict], ref: dict, protocol: dict) -> str:
     lines = ["# Quantization-aware training (SmolLM2-135M, Wikipedia)", "",
              f"Protocol: {protocol['eval_tokens']} evaluation tokens in windows of 1024; training and calibration on "
              f"{protocol['calib_windows']} x 512 tokens of the calibration split; QAT distils from the float model "
-             f"(KL on the logits), batches of 2 x 512 tokens. Float: {fp:.3f}. Machine: "
+             f"(KL on the logits), batches of 2 x 512 tokens; Adam in grid units (learning rates of the latent weights and "
+             f"zero points in quantization steps, of the scales relative), warmup 5 %, cosine decay to a tenth. "
+             f"Float: {fp:.3f}. Machine: "
              f"{rows[0]['machine'] if rows else machine()}.", "",
-             "| recipe | seed | train tokens | steps | train s | total s | ppl | news ppl | vs float | best PTQ at width "
-             "| gap closed | AutoRound best |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| recipe | seed | train tokens | steps | lr weight / scale | train s | total s | ppl | news ppl | vs float "
+             "| best PTQ at width | gap closed | AutoRound best |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['recipe']} | {r['seed']} | error: {r['error'][-120:]!r} |")
@@ -114,6 +116,7 @@ def markdown(rows: list[dict], ref: dict, protocol: dict) -> str:
         gap = "" if ptq is None or ptq["ppl"] <= fp else f"{100 * (ptq['ppl'] - r['ppl']) / (ptq['ppl'] - fp):.1f} %"
         lines.append(
             f"| {r['recipe']} | {r['seed']} | {rep.get('tokens', '')} | {rep.get('steps', '')} | "
+            f"{rep.get('lr_weight', '')} / {rep.get('lr_scale', '')} | "
             f"{rep.get('seconds', float('nan')):.0f} | {r['process_seconds']:.0f} | {r['ppl']:.3f} | "
             f"{r.get('ppl_news', float('nan')):.3f} | {100 * (r['ppl'] / fp - 1):+.1f} % | "
             f"{ptq_s} | {gap} | {ar_s} |")

@@ -10,7 +10,7 @@
     qnnx = eqjax.qat.train(qnnx, teacher=nnx_module, data=batches, steps=500)               # NNX -> QuantizedNNX
 
     model = eqjax.qat.FakeQuantNNX(qnnx)                 # or your own NNX loop on the quantized module
-    opt = nnx.Optimizer(model, optax.adam(1e-4), wrt=eqjax.qat.QatParam)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=eqjax.qat.QatParam)       # grid units
     loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, eqjax.qat.QatParam))(model)
     opt.update(model, grads)
     qnnx = model.freeze()
@@ -48,7 +48,7 @@ from eqjax.methods.qat import (
     trainable,
 )
 
-__all__ = ["train", "FakeQuantNNX", "QatParam", "QatScale", "QatZero"]
+__all__ = ["train", "FakeQuantNNX", "QatParam", "QatScale", "QatZero", "QatUnit"]
 
 
 class QatParam(nnx.Param):
@@ -57,11 +57,15 @@ class QatParam(nnx.Param):
 
 
 class QatScale(QatParam):
-    """A quantized weight's scale (float32, its QArray's scale layout)."""
+    """A quantized weight's relative scale (float32, its QArray's scale layout; the scale is ``scale * unit``)."""
 
 
 class QatZero(QatParam):
-    """A quantized weight's zero point (float32, used rounded)."""
+    """A quantized weight's zero point (float32 codes, used rounded)."""
+
+
+class QatUnit(nnx.Variable):
+    """A quantized weight's grid unit (its starting scale): a constant, not trained."""
 
 
 def _swap(model: nnx.Module, convert: Callable[[str, Any], Any]) -> nnx.Module:
@@ -78,9 +82,9 @@ def _key(path: str) -> str:
 class FakeQuantNNX(nnx.Module):
     """A :class:`~eqjax.api.QuantizedNNX` in training (see the module docs).
 
-    Each QArray's latent float32 weight is a :class:`QatParam` where the module keeps its kernel; its scale
-    (:class:`QatScale`) and zero point (:class:`QatZero`) live under ``qat_grids``; the format (bits, layout,
-    dtypes) is static. The module runs with the fake-quantized weights (straight-through gradients);
+    Each QArray's latent float32 weight (in grid units: :mod:`eqjax.methods.qat`) is a :class:`QatParam` where
+    the module keeps its kernel; its relative scale (:class:`QatScale`), zero point (:class:`QatZero`) and grid
+    unit (:class:`QatUnit`) live under ``qat_grids``; the format (bits, layout, dtypes) is static. The module runs with the fake-quantized weights (straight-through gradients);
     :meth:`freeze` gives the QuantizedNNX of the trained QArrays. Float params stay ``nnx.Param``.
     """
 
@@ -95,7 +99,7 @@ class FakeQuantNNX(nnx.Module):
             if not isinstance(var, QuantizedParam):
                 return var
             fq = trainable({path: var.get_value()})[0][path]  # refuses a non-QArray quantized leaf, naming it
-            grids[_key(path)] = nnx.Dict({"scale": QatScale(fq.scale),
+            grids[_key(path)] = nnx.Dict({"scale": QatScale(fq.scale), "unit": QatUnit(fq.unit),
                                           **({} if fq.zero is None else {"zero": QatZero(fq.zero)})})
             meta[path] = (fq.bits, fq.granularity, fq.dtype, fq.scale_dtype)
             return QatParam(fq.weight)
@@ -110,7 +114,7 @@ class FakeQuantNNX(nnx.Module):
         bits, gran, dtype, scale_dtype = dict(self.formats)[path]
         grid = self.qat_grids[_key(path)]
         zero = grid["zero"][...] if "zero" in grid else None
-        return FakeQuant(weight, grid["scale"][...], zero, bits, gran, dtype, scale_dtype)
+        return FakeQuant(weight, grid["scale"][...], zero, grid["unit"][...], bits, gran, dtype, scale_dtype)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = _swap(self.model, lambda p, v: nnx.Param(fake_value(self.fake_quant(p, v[...])))

@@ -24,7 +24,7 @@ from eqjax.methods.qat import default_optimizer, kl_to_teacher
 from tests import zoo
 
 STEPS = 30
-TX = default_optimizer(STEPS, lr_scale=3e-3, lr_weight=3e-3)
+TX = default_optimizer(STEPS, lr_scale=5e-2, lr_weight=3e-2)
 
 
 def _kl(out, ref):
@@ -59,7 +59,7 @@ def test_nnx_module_trains_with_nnx_optimizer_and_freezes_to_quantized_nnx():
     m, batches = zoo.make_nnx()
     qn = eqjax.quantize_model(m, "w3g128-rtn", calibration=batches)
     model = qat.FakeQuantNNX(qn)
-    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=qat.QatParam)
+    opt = nnx.Optimizer(model, optax.adam(3e-2), wrt=qat.QatParam)
     x = batches[0][0]
     ref = m(x)
 

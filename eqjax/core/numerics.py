@@ -80,6 +80,7 @@ __all__ = [
     "pack",
     "unpack",
     "codes",
+    "expand_grid",
     "expand_scale",
     "integer_values",
     "round_half_even",
@@ -438,11 +439,17 @@ def quantize_with(
     return QArray(values, scale, zp_out, bits, symmetric, gran, tuple(x.shape), jnp.dtype(x.dtype))
 
 
+def expand_grid(scale: jax.Array, granularity: Granularity, shape: tuple[int, ...]) -> jax.Array:
+    """A scale-shaped array (:func:`scale_shape` of ``granularity``) repeated over its block: ``shape``."""
+    gran = granularity.normalized(len(shape))
+    view_shape = _blocked(jnp.zeros(shape, jnp.int8), gran)[0].shape
+    s = jnp.broadcast_to(_to_view(jnp.asarray(scale), gran), view_shape)
+    return _unblock(s, gran, tuple(shape))
+
+
 def expand_scale(q: QArray) -> jax.Array:
     """The float32 scale of every element, shape ``q.shape``."""
-    view_shape = _blocked(jnp.zeros(q.shape, jnp.int8), q.granularity)[0].shape
-    s = jnp.broadcast_to(_to_view(q.scale.astype(jnp.float32), q.granularity), view_shape)
-    return _unblock(s, q.granularity, q.shape)
+    return expand_grid(q.scale.astype(jnp.float32), q.granularity, q.shape)
 
 
 def codes(q: QArray) -> jax.Array:

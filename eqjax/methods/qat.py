@@ -1,16 +1,19 @@
 """Quantization-aware training (QAT): learned scales, zero points and weights of a quantized model.
 
 Starting from a quantized param tree (any recipe's :class:`~eqjax.core.qarray.QArray` s: RTN, GPTQ, AWQ,
-SignRound), every QArray becomes a :class:`FakeQuant`: a latent float32 weight ``w`` (the QArray's
-dequantized value, so training starts from exactly the quantized model), its scale ``s`` and (asymmetric)
-zero point ``z``. The model runs with each such weight replaced by
+SignRound), every QArray becomes a :class:`FakeQuant`. Its parameters are in units of the QArray's own
+grid, the starting scale ``u`` of each block (a constant): a latent weight ``v`` (float weight ``w = v * u``;
+it starts at the integer codes, so training starts from exactly the quantized model), a relative scale ``r``
+(scale ``s = r * u``; it starts at 1) and (asymmetric) a zero point ``z`` (codes). The model runs with each
+such weight replaced by
 
     ``w_hat = (clip(round(w / s') + z', 0, 2**b - 1) - z') * s'``   (symmetric: ``clip(round(w / s'), lo, hi) * s'``)
 
 with ``s'`` the nearest value of the QArray's scale dtype and ``z' = clip(round(z), 0, 2**b - 1)``. Every
-rounding passes its gradient straight through, so ``s`` gets the LSQ gradient (Esser et al., 2020):
-``round(w / s) - w / s`` inside the range, the clipped integer outside; ``w`` gets the identity inside the
-range and 0 where it is clipped. The layout (groups along a flattened multi-axis contraction, per channel,
+rounding passes its gradient straight through, so the scale gets the LSQ gradient (Esser et al., 2020):
+``round(w / s) - w / s`` inside the range, the clipped integer outside; the weight gets the identity inside
+the range and 0 where it is clipped. Grid units make one learning rate mean the same for every layer, model
+and width: a weight step of 0.01 is a hundredth of its quantization step, a scale step of 0.01 one percent. The layout (groups along a flattened multi-axis contraction, per channel,
 per tensor) is the QArray's own granularity, so a recipe trains the same whatever the weight's layout.
 
 :func:`export` gives back QArrays with the scale, zero point and codes the forward used: their dequantized
@@ -18,9 +21,10 @@ values equal the trained forward's weights bit for bit, and every runner and exp
 separate QAT format).
 
 Loss: :func:`kl_to_teacher` (distillation from the float model's logits) or the caller's own. The
-optimizer is any optax transformation; :func:`leaf_kind` names each trainable leaf (``"weight"``,
-``"scale"``, ``"zero"``) for ``optax.multi_transform``; :func:`default_optimizer` is Adam per kind with
-warmup and cosine decay (weights frozen at ``lr_weight=0``, EfficientQAT's end-to-end stage).
+optimizer is any optax transformation; :func:`leaf_kind` names each leaf (``"weight"``, ``"scale"``,
+``"zero"``, and ``"unit"``: the constant grid unit, which gets no gradient and must get no update, so no weight
+decay on it); :func:`default_optimizer` is Adam per kind with warmup and cosine decay (weights frozen at
+``lr_weight=0``, EfficientQAT's end-to-end stage).
 
 The recipe step :class:`QAT` trains the whole model this way after the recipe's post-training steps, on
 the calibration batches (a token budget), with the float params the recipe started from as the teacher.
@@ -41,7 +45,15 @@ import optax
 
 from eqjax.calibration.train import fit
 from eqjax.core.errors import InputError, RecipeError
-from eqjax.core.numerics import dequantize, fake_quantize_grid, nearest_scale, quantize_with, round_ste, widen_halves
+from eqjax.core.numerics import (
+    expand_grid,
+    fake_quantize_grid,
+    integer_values,
+    nearest_scale,
+    quantize_with,
+    round_ste,
+    widen_halves,
+)
 from eqjax.core.qarray import Granularity, QArray, is_quantized, validate
 from eqjax.recipes.schema import step_kwargs
 from eqjax.recipes.types import with_paths
@@ -54,18 +66,22 @@ log = logging.getLogger("eqjax")
 
 @dataclasses.dataclass(frozen=True)
 class FakeQuant:
-    """A quantized weight in training (a pytree: ``weight``, ``scale``, ``zero`` are its leaves).
+    """A quantized weight in training (a pytree: ``weight``, ``scale``, ``zero``, ``unit`` are its leaves).
 
     Attributes:
-      weight: latent float32 weight, the QArray's logical shape.
-      scale: float32 scale, :func:`~eqjax.core.qarray.scale_shape` of ``granularity`` (used as ``scale_dtype``).
-      zero: float32 zero point of ``scale``'s shape (used rounded), None for a symmetric grid.
+      weight: latent float32 weight in grid units (the float weight is ``weight * unit`` per block), the
+        QArray's logical shape.
+      scale: float32 relative scale (the scale is ``scale * unit``, used as ``scale_dtype``),
+        :func:`~eqjax.core.qarray.scale_shape` of ``granularity``; > 0.
+      zero: float32 zero point (codes) of ``scale``'s shape (used rounded), None for a symmetric grid.
+      unit: float32 grid unit (the starting scale) of ``scale``'s shape, > 0; a constant (no gradient).
       bits, granularity, dtype, scale_dtype: the QArray's format (static).
     """
 
     weight: jax.Array
     scale: jax.Array
     zero: jax.Array | None
+    unit: jax.Array
     bits: int
     granularity: Granularity
     dtype: Any
@@ -76,7 +92,7 @@ class FakeQuant:
         return self.zero is None
 
 
-jax.tree_util.register_dataclass(FakeQuant, data_fields=["weight", "scale", "zero"],
+jax.tree_util.register_dataclass(FakeQuant, data_fields=["weight", "scale", "zero", "unit"],
                                  meta_fields=["bits", "granularity", "dtype", "scale_dtype"])
 
 
@@ -85,32 +101,40 @@ def _is_fq(x: Any) -> bool:
 
 
 def from_qarray(q: QArray) -> FakeQuant:
-    """The :class:`FakeQuant` whose forward value is ``dequantize(q)``."""
+    """The :class:`FakeQuant` whose forward value is ``dequantize(q)`` (latent weight = the integer codes)."""
     zero = None if q.symmetric else jnp.asarray(q.zero_point, jnp.float32)
-    return FakeQuant(dequantize(q, jnp.float32), jnp.asarray(q.scale, jnp.float32), zero, q.bits, q.granularity,
-                     jnp.dtype(q.dtype), jnp.dtype(q.scale.dtype))
+    unit = jnp.asarray(q.scale, jnp.float32)
+    return FakeQuant(integer_values(q).astype(jnp.float32), jnp.ones_like(unit), zero, unit, q.bits,
+                     q.granularity, jnp.dtype(q.dtype), jnp.dtype(q.scale.dtype))
 
 
-def _grid(fq: FakeQuant) -> tuple[jax.Array, jax.Array | None]:
-    """The scale (in its stored dtype) and integer zero point the forward and :func:`to_qarray` use."""
-    s = nearest_scale(fq.scale, fq.scale_dtype)
+def float_weight(fq: FakeQuant) -> jax.Array:
+    """The latent float32 weight ``weight * unit`` (differentiable in ``weight`` only)."""
+    unit = jax.lax.stop_gradient(fq.unit)
+    return fq.weight * expand_grid(unit, fq.granularity, fq.weight.shape)
+
+
+def _grid(fq: FakeQuant) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The float32 scale, the scale (in its stored dtype) and the integer zero point the forward and
+    :func:`to_qarray` use."""
+    s = fq.scale * jax.lax.stop_gradient(fq.unit)
     z = None if fq.zero is None else jnp.clip(jnp.round(fq.zero), 0, 2**fq.bits - 1)
-    return s, z
+    return s, nearest_scale(s, fq.scale_dtype), z
 
 
 def fake_value(fq: FakeQuant) -> jax.Array:
     """The weight the model runs with (``fq.dtype``), differentiable in ``weight``, ``scale`` and ``zero``."""
-    s_used, _ = _grid(fq)
-    s = fq.scale + jax.lax.stop_gradient(s_used.astype(jnp.float32) - fq.scale)
+    s, s_used, _ = _grid(fq)
+    s = s + jax.lax.stop_gradient(s_used.astype(jnp.float32) - s)
     z = None if fq.zero is None else jnp.clip(round_ste(fq.zero), 0, 2**fq.bits - 1)
-    return fake_quantize_grid(fq.weight, s, z, bits=fq.bits, granularity=fq.granularity).astype(fq.dtype)
+    return fake_quantize_grid(float_weight(fq), s, z, bits=fq.bits, granularity=fq.granularity).astype(fq.dtype)
 
 
 def to_qarray(fq: FakeQuant, name: str = "weight") -> QArray:
     """The QArray of ``fq``: ``dequantize(to_qarray(fq)) == fake_value(fq)`` bit for bit."""
-    s, z = _grid(fq)
+    _, s, z = _grid(fq)
     zp = None if z is None else z.astype(jnp.int32)
-    q = quantize_with(fq.weight, s, zp, bits=fq.bits, granularity=fq.granularity, name=name)
+    q = quantize_with(float_weight(fq), s, zp, bits=fq.bits, granularity=fq.granularity, name=name)
     return validate(dataclasses.replace(q, dtype=fq.dtype), name=name)
 
 
@@ -145,23 +169,27 @@ def export(train: Mapping[str, FakeQuant]) -> dict[str, QArray]:
     return {p: to_qarray(f, p) for p, f in train.items()}
 
 
+_KINDS = ("weight", "scale", "zero", "unit")
+
+
 def leaf_kind(keypath: tuple[Any, ...]) -> str:
-    """``"weight"``, ``"scale"`` or ``"zero"``: what a trainable leaf is, from its key path (a
+    """``"weight"``, ``"scale"``, ``"zero"`` or ``"unit"``: what a leaf is, from its key path (a
     :class:`FakeQuant` field, or a leaf under ``qat_grids`` of an NNX module in training)."""
     names = [str(getattr(k, "name", getattr(k, "key", k))) for k in keypath]
     for k in keypath:
-        if isinstance(k, jax.tree_util.GetAttrKey) and k.name in ("weight", "scale", "zero"):
+        if isinstance(k, jax.tree_util.GetAttrKey) and k.name in _KINDS:
             return k.name
-    if "qat_grids" in names and names[-1] in ("scale", "zero"):
+    if "qat_grids" in names and names[-1] in _KINDS:
         return names[-1]
     return "weight"
 
 
-def default_optimizer(steps: int, *, lr_scale: float = 1e-4, lr_weight: float = 1e-5,
+def default_optimizer(steps: int, *, lr_scale: float = 1e-3, lr_weight: float = 1e-2,
                       warmup: float = 0.05) -> optax.GradientTransformation:
-    """Adam with learning rate ``lr_scale`` on scales and zero points and ``lr_weight`` on latent weights
-    (0 freezes them), each with a linear warmup over ``warmup`` of the steps and a cosine decay to a tenth.
-    Leaves are told apart by :func:`leaf_kind` (a FakeQuant tree, or an NNX module's ``QatParam`` state)."""
+    """Adam with learning rate ``lr_scale`` on the relative scales and ``lr_weight`` on the latent weights and
+    zero points (grid units: see the module docs; 0 freezes them), each with a linear warmup over ``warmup``
+    of the steps and a cosine decay to a tenth; grid units get no update. Leaves are told apart by
+    :func:`leaf_kind` (a FakeQuant tree, or an NNX module's ``QatParam`` state)."""
     if not lr_scale >= 0 or not lr_weight >= 0:
         raise InputError(f"QAT learning rates (lr_scale={lr_scale}, lr_weight={lr_weight}): expected >= 0")
     n = max(int(steps), 2)
@@ -169,7 +197,8 @@ def default_optimizer(steps: int, *, lr_scale: float = 1e-4, lr_weight: float = 
 
     rates = {"scale": optax.warmup_cosine_decay_schedule(0.0, lr_scale, w, n, end_value=lr_scale / 10),
              "weight": optax.warmup_cosine_decay_schedule(0.0, lr_weight, w, n, end_value=lr_weight / 10)}
-    rates["zero"] = rates["scale"]
+    rates["zero"] = rates["weight"]
+    rates["unit"] = optax.constant_schedule(0.0)
 
     def init(params: Any) -> optax.ScaleByScheduleState:
         return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
@@ -219,7 +248,7 @@ def distillation_step(fn: Callable[..., Any], template: Any, tx: optax.GradientT
         value, grads = jax.value_and_grad(objective)(train, batch, frozen, teacher)
         updates, opt_state = tx.update(grads, opt_state, train)
         train = optax.apply_updates(train, updates)
-        train = jax.tree.map(lambda f: dataclasses.replace(f, scale=jnp.maximum(f.scale, 1e-12)) if _is_fq(f) else f,
+        train = jax.tree.map(lambda f: dataclasses.replace(f, scale=jnp.maximum(f.scale, 1e-6)) if _is_fq(f) else f,
                              train, is_leaf=_is_fq)
         return (train, opt_state), value
 
@@ -256,8 +285,8 @@ class QAT:
 
     tokens: int = 262144
     batch_size: int = 2
-    lr_scale: float = 1e-4
-    lr_weight: float = 1e-5
+    lr_scale: float = 1e-3
+    lr_weight: float = 1e-2
     warmup: float = 0.05
     checkpoint: str | None = None
     save_every: int = 50
@@ -301,7 +330,7 @@ class QAT:
         out = dict(params)
         out.update(export(run.state[0]))
         report = {"steps": steps, "tokens": steps * _tokens_of(batches[0]), "first_step": run.first_step,
-                  "seconds": run.seconds,
+                  "seconds": run.seconds, "lr_weight": self.lr_weight, "lr_scale": self.lr_scale,
                   "loss_first": run.losses[0] if run.losses else float("nan"),
                   "loss_last": run.losses[-1] if run.losses else float("nan")}
         object.__setattr__(self, "report", report)  # figures for reports; not part of the hash

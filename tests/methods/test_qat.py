@@ -101,6 +101,8 @@ def _surrogate64(w, s, z, w0, s0, z0, bits, sym, group):
 
 @pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
 def test_straight_through_gradients_match_a_float64_finite_difference(sym):
+    """Gradients in the FakeQuant's own (grid-unit) parameters: latent weight v (float weight v * u), relative
+    scale r (scale r * u), zero point z, with u the constant grid unit."""
     bits, group, k = 3, 8, 32
     rng = np.random.default_rng(3)
     w0 = rng.normal(size=k)
@@ -109,32 +111,34 @@ def test_straight_through_gradients_match_a_float64_finite_difference(sym):
     fq = from_qarray(q)
     # move the point off the grid: weights inside their bins, zero points off-integer, scales slightly changed;
     # a weight is kept off clip boundaries (where the surrogate has a kink) and off rounding boundaries
-    s0 = np.asarray(fq.scale, np.float64)[:, 0] * 1.07
+    r0 = np.full(k // group, 1.07)
     z0 = None if sym else np.asarray(fq.zero, np.float64)[:, 0] + 0.2
-    wv = np.asarray(fq.weight, np.float64)[:, 0] + rng.uniform(-0.3, 0.3, k) * np.repeat(s0, group)
-    fq = dataclasses.replace(fq, weight=jnp.asarray(wv[:, None], jnp.float32),
-                             scale=jnp.asarray(s0[:, None], jnp.float32),
+    v0 = np.asarray(fq.weight, np.float64)[:, 0] * 1.07 + rng.uniform(-0.3, 0.3, k) * 1.07
+    fq = dataclasses.replace(fq, weight=jnp.asarray(v0[:, None], jnp.float32),
+                             scale=jnp.asarray(r0[:, None], jnp.float32),
                              zero=None if sym else jnp.asarray(z0[:, None], jnp.float32))
-    wv = np.asarray(fq.weight, np.float64)[:, 0]
-    s0, z0 = np.asarray(fq.scale, np.float64)[:, 0], None if sym else np.asarray(fq.zero, np.float64)[:, 0]
+    v0, r0 = np.asarray(fq.weight, np.float64)[:, 0], np.asarray(fq.scale, np.float64)[:, 0]
+    u = np.asarray(fq.unit, np.float64)[:, 0]
+    z0 = np.zeros(len(r0)) if sym else np.asarray(fq.zero, np.float64)[:, 0]
     c = rng.normal(size=k)
     g = jax.grad(lambda f: jnp.sum(jnp.asarray(c[:, None], jnp.float32) * fake_value(f)))(fq)
-    zz = np.zeros(len(s0)) if sym else z0
 
-    def loss(w, s, z):
-        return float(np.sum(c * _surrogate64(w, s, z, wv, s0, zz, bits, sym, group)))
+    def loss(v, r, z):
+        sur = _surrogate64(v * np.repeat(u, group), r * u, z, v0 * np.repeat(u, group), r0 * u, z0, bits, sym, group)
+        return float(np.sum(c * sur))
 
     eps = 1e-6
-    fd_w = np.array([(loss(wv + eps * e, s0, zz) - loss(wv - eps * e, s0, zz)) / (2 * eps) for e in np.eye(k)])
-    fd_s = np.array([(loss(wv, s0 + eps * e, zz) - loss(wv, s0 - eps * e, zz)) / (2 * eps) for e in np.eye(len(s0))])
-    # float32 gradients of O(1) terms summed over a group: a few float32 epsilons of the term magnitudes
-    tol = 8 * np.finfo(np.float32).eps * (np.abs(c).sum() + 1) * (2**bits)
-    np.testing.assert_allclose(np.asarray(g.weight)[:, 0], fd_w, atol=tol)
-    np.testing.assert_allclose(np.asarray(g.scale)[:, 0], fd_s, atol=tol)
+    fd_v = np.array([(loss(v0 + eps * e, r0, z0) - loss(v0 - eps * e, r0, z0)) / (2 * eps) for e in np.eye(k)])
+    fd_r = np.array([(loss(v0, r0 + eps * e, z0) - loss(v0, r0 - eps * e, z0)) / (2 * eps) for e in np.eye(len(r0))])
+    # float32 gradients of O(u) terms summed over a group: a few float32 epsilons of the term magnitudes
+    tol = 8 * np.finfo(np.float32).eps * (np.abs(c).sum() + 1) * (2**bits) * max(1.0, u.max())
+    np.testing.assert_allclose(np.asarray(g.weight)[:, 0], fd_v, atol=tol)
+    np.testing.assert_allclose(np.asarray(g.scale)[:, 0], fd_r, atol=tol)
     if not sym:
-        fd_z = np.array([(loss(wv, s0, zz + eps * e) - loss(wv, s0, zz - eps * e)) / (2 * eps) for e in np.eye(len(s0))])
-        np.testing.assert_allclose(np.asarray(g.zero)[:, 0], fd_z, atol=tol * np.max(s0))
-    assert np.any(np.abs(fd_s) > 10 * tol)  # the oracle is not vacuous
+        fd_z = np.array([(loss(v0, r0, z0 + eps * e) - loss(v0, r0, z0 - eps * e)) / (2 * eps) for e in np.eye(len(r0))])
+        np.testing.assert_allclose(np.asarray(g.zero)[:, 0], fd_z, atol=tol * np.max(u))
+    assert not np.any(np.asarray(g.unit))  # the grid unit is a constant
+    assert np.any(np.abs(fd_r) > 10 * tol)  # the oracle is not vacuous
 
 
 def test_kl_to_teacher_against_float64():
@@ -155,14 +159,19 @@ def test_leaf_kinds_and_optimizer_move_only_what_it_trains():
     fq = _fq((32, 4), per_group(0, 16), 4, False, "float16")
     tree = {"a/kernel": fq}
     kinds = jax.tree_util.tree_map_with_path(lambda kp, _: leaf_kind(kp), tree)
-    assert (kinds["a/kernel"].weight, kinds["a/kernel"].scale, kinds["a/kernel"].zero) == ("weight", "scale", "zero")
-    tx = default_optimizer(10, lr_scale=1e-2, lr_weight=0.0)
-    state = tx.init(tree)
+    k = kinds["a/kernel"]
+    assert (k.weight, k.scale, k.zero, k.unit) == ("weight", "scale", "zero", "unit")
     grads = jax.tree.map(jnp.ones_like, tree)
-    for _ in range(3):
-        upd, state = tx.update(grads, state, tree)
-    assert not np.any(np.asarray(upd["a/kernel"].weight))
-    assert np.all(np.asarray(upd["a/kernel"].scale) < 0) and np.all(np.asarray(upd["a/kernel"].zero) < 0)
+    for lr_scale, lr_weight in ((1e-2, 0.0), (0.0, 1e-2)):
+        tx = default_optimizer(10, lr_scale=lr_scale, lr_weight=lr_weight)
+        state = tx.init(tree)
+        for _ in range(3):
+            upd, state = tx.update(grads, state, tree)
+        u = upd["a/kernel"]
+        assert not np.any(np.asarray(u.unit))  # never updated, whatever its gradient
+        assert np.all(np.asarray(u.scale) < 0) == (lr_scale > 0) and not np.any(np.asarray(u.scale)) == (lr_scale == 0)
+        for moved in (u.weight, u.zero):  # both in codes: lr_weight
+            assert np.all(np.asarray(moved) < 0) == (lr_weight > 0) and not np.any(np.asarray(moved)) == (lr_weight == 0)
 
 
 def test_trainable_refuses_activation_quantized_leaves_naming_the_path():
@@ -181,7 +190,7 @@ def test_qat_step_lowers_the_distillation_loss_and_stores_what_it_trained():
     params = model.init_params(jax.random.key(0), std=0.2)
     toks = np.asarray(jax.random.randint(jax.random.key(1), (8, 16), 0, 64, dtype=jnp.int32))
     base = run_recipe(params, get_recipe("w3g128-rtn"), model=model)
-    step = QAT(tokens=2 * 16 * 40, lr_scale=3e-3, lr_weight=3e-3)  # 40 steps of 2 windows
+    step = QAT(tokens=2 * 16 * 40, lr_scale=5e-2, lr_weight=3e-2)  # 40 steps of 2 windows
     q = run_recipe(params, Recipe("t", (get_recipe("w3g128-rtn").steps[0], step)), model=model, calibration=toks)
     rep = step.report
     assert rep["steps"] == 40 and rep["tokens"] == 2 * 16 * 40 and np.isfinite(rep["loss_last"]), rep

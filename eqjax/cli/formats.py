@@ -4,11 +4,13 @@ HF directory (:mod:`eqjax.io.gptq`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 
 from eqjax.core.errors import CompatibilityError, InputError
 from eqjax.export.package import tokenizer_files
@@ -45,6 +47,9 @@ def add_format_args(p: Any) -> None:
     p.add_argument("--stream", action="store_true",
                    help="for models larger than memory: read the weights on demand and quantize and write one "
                         "decoder block at a time (--model: an HF safetensors directory; --format compressed-tensors)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --stream: go on from the last finished block of a killed run of the same command "
+                        "(its progress is kept in .<out name>.partial beside --out)")
 
 
 def check_format(fmt: str, recipe: Any, *, stream: bool = False, model: str | None = None) -> None:
@@ -65,18 +70,25 @@ def check_format(fmt: str, recipe: Any, *, stream: bool = False, model: str | No
 
 
 def stream_to_format(out: str, setup: Any, recipe: Any, *, model_path: str, dtype: str, overwrite: bool, seed: int,
-                     say: Any) -> str:
+                     say: Any, resume: bool = False) -> str:
     """Quantize ``setup``'s streamed params (:class:`eqjax.io.hf.StreamedParams`) unit by unit into a
-    compressed-tensors directory, one shard per unit; returns a one-line summary."""
+    compressed-tensors directory, one shard per unit, its progress kept after each unit (``resume``: go on
+    from a killed run's); returns a one-line summary."""
     files, copy_from, ids = _tokenizer(model_path, setup.tokenizer, setup.model.config)
     sp, model = setup.params, setup.model
     cal = setup.calib_windows if recipe.needs_calibration else None
+    digest = hashlib.sha256(np.ascontiguousarray(np.asarray(cal, np.int64)).tobytes()).hexdigest() if cal is not None else None
+    src = pathlib.Path(model_path).absolute()
+    files_seen = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(src.iterdir())
+                  if f.suffix in (".safetensors", ".json") and f.is_file()}  # cheap: not a hash of the weights
+    run = {"model": str(src), "model files": files_seen, "recipe": repr(recipe), "seed": seed, "dtype": dtype,
+           "calibration": digest}
 
-    def produce(emit: Any) -> None:
-        stream_quantize(model, sp.paths, sp.load, recipe, cal, emit, seed=seed, progress=say)
+    def produce(emit: Any, ledger: Any) -> None:
+        stream_quantize(model, sp.paths, sp.load, recipe, cal, emit, seed=seed, progress=say, ledger=ledger)
 
     info = save_compressed_tensors_streamed(out, model, produce, dtype=dtype, files=files, copy_from=copy_from,
-                                            extra_config=ids, overwrite=overwrite)
+                                            extra_config=ids, overwrite=overwrite, run=run, resume=resume)
     return _ct_line(info)
 
 

@@ -410,6 +410,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     check_distributed_args(args)
     if args.stream and (args.num_processes or 1) > 1:
         raise InputError("--stream runs in one process; drop --num-processes")
+    if getattr(args, "resume", False) and not args.stream:
+        raise InputError("--resume goes on with a killed --stream run: add --stream")
     check_output_dir(args.out, overwrite=args.overwrite, what="checkpoint directory (--out)",
                      inputs=(args.model, args.text), replaceable=replaceable(args.format))
     writer = _maybe_init_distributed(args)
@@ -422,7 +424,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             print(f"streaming {setup.params.nbytes / 2**30:.2f} GiB of weights one block at a time; calibration "
                   f"activations {stream_cost(recipe, setup.calib_windows if recipe.needs_calibration else None, setup.model.config.hidden) / 2**20:.1f} MiB")
             line = stream_to_format(args.out, setup, recipe, model_path=args.model, dtype=args.dtype,
-                                    overwrite=args.overwrite, seed=args.seed, say=lambda m: print(f"  {m}", flush=True))
+                                    overwrite=args.overwrite, seed=args.seed, say=lambda m: print(f"  {m}", flush=True),
+                                    resume=args.resume)
             print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s; peak RSS {peak_rss_mb() / 1024:.2f} GiB")
             print(line)
             return 0

@@ -447,8 +447,8 @@ def write_report(stem: str | os.PathLike[str], obj: Any, markdown: str) -> tuple
 
 # ------------------------------------------------------------------------------------ directories
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool = False, kind: str | None = None
-                     ) -> Iterator[pathlib.Path]:
+def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool = False, kind: str | None = None,
+                     work: pathlib.Path | None = None) -> Iterator[pathlib.Path]:
     """Yield a temporary sibling directory to fill; on success it becomes ``path``.
 
     ``path`` must not exist, be an empty directory, or (with ``overwrite``) a directory eqjax wrote
@@ -456,7 +456,8 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool = False, k
     the new one renamed into place, then the old one deleted. ``kind``: recorded in the new
     directory's :data:`MARKER`. The output is locked (:func:`output_lock`) throughout. On an exception
     (or a kill) the previous ``path`` is intact; a killed writer leaves ``.<name>.tmp-<pid>-*``,
-    removed by the next write.
+    removed by the next write. ``work``: fill that (fixed sibling) directory instead, as it is
+    (created if absent) and kept on an exception, so that a later run can go on with what it holds.
     """
     p = pathlib.Path(path).absolute()
     if p.exists() and not p.is_dir():
@@ -471,8 +472,8 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool = False, k
     p.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(p):
         _clean_stale(p)
-        tmp = _temp_sibling(p)
-        tmp.mkdir()
+        tmp = _temp_sibling(p) if work is None else work
+        tmp.mkdir(exist_ok=work is not None)
         try:
             yield tmp
             if kind is not None:
@@ -480,7 +481,8 @@ def atomic_directory(path: str | os.PathLike[str], *, overwrite: bool = False, k
             fsync_tree(tmp)
             _swap_in(tmp, p)
         except BaseException:
-            _remove(tmp)
+            if work is None:
+                _remove(tmp)
             raise
 
 

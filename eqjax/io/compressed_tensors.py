@@ -58,6 +58,7 @@ from eqjax.io.hf_quantized import (
     unpack_int32,
     write_directory,
 )
+from eqjax.io.stream_ledger import StreamLedger, work_directory
 from eqjax.models import Model
 
 __all__ = ["FORMAT", "FormatError", "check_recipe", "is_compressed_tensors", "load_compressed_tensors",
@@ -228,6 +229,15 @@ class _Encoder:
         hf_cfg["quantization_config"] = quantization_config(self.schemes, ignore)  # a tied head: the float table
         return hf_cfg
 
+    def state(self) -> dict[str, Any]:
+        """What it collected so far (JSON), for :meth:`restore` in a resumed run."""
+        return {"schemes": self.schemes, "regrouped": self.regrouped, "float_linears": self.float_linears}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.schemes.update(state.get("schemes", {}))
+        self.regrouped += state.get("regrouped", [])
+        self.float_linears += state.get("float_linears", [])
+
     def summary(self, root: Path, size: int) -> dict[str, Any]:
         return {"path": str(root), "bytes": size, "schemes": self.schemes, "regrouped": self.regrouped}
 
@@ -260,24 +270,42 @@ def save_compressed_tensors(
 
 
 def save_compressed_tensors_streamed(
-    directory: str | os.PathLike[str], model: Model, produce: Callable[[Callable[[str, dict[str, Any]], None]], None],
+    directory: str | os.PathLike[str], model: Model,
+    produce: Callable[[Callable[[str, dict[str, Any]], None], StreamLedger | None], None],
     *, dtype: str = "bfloat16", files: Mapping[str, str | bytes] | None = None,
     copy_from: str | os.PathLike[str] | None = None, extra_config: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
+    overwrite: bool = False, run: Mapping[str, Any] | None = None, resume: bool = False,
 ) -> dict[str, Any]:
-    """:func:`save_compressed_tensors` for a model quantized unit by unit: ``produce(emit)`` calls
+    """:func:`save_compressed_tensors` for a model quantized unit by unit: ``produce(emit, ledger)`` calls
     ``emit(unit name, {param path: leaf})`` once per unit (:func:`eqjax.recipes.stream.stream_quantize`); each
     unit is encoded and written as its own safetensors shard at once, so no more than one unit is held. The
-    directory appears only when every unit is written (the previous one is intact until then)."""
+    directory appears only when every unit is written (the previous one is intact until then).
+
+    ``run`` (the run's identity, JSON) makes the write resumable: shards go to :func:`work_directory` with a
+    :class:`~eqjax.io.stream_ledger.StreamLedger` (handed to ``produce``, None without ``run``), and
+    ``resume`` goes on from a killed run's last finished unit."""
     config = model.config
     enc = _Encoder()
-    with shard_directory(directory, overwrite=overwrite, kind=FORMAT, copy_from=copy_from, files=files) as shards:
+    work = None if run is None else work_directory(directory)
+    ledger = None if run is None else StreamLedger(work, run, resume=resume)
+    if ledger is not None:
+        enc.restore(ledger.encoder)
+    with shard_directory(directory, overwrite=overwrite, kind=FORMAT, copy_from=copy_from, files=files,
+                         work=work) as shards:
+        if ledger is not None:
+            shards.restore(ledger.shards())
+
         def emit(unit: str, leaves: dict[str, Any]) -> None:
             keep = lambda t: all("/".join(p) in leaves for p in t.paths)  # noqa: E731
-            shards.add(float_tensors(config, nest_paths(leaves), dtype, write=enc, only=keep))
+            shard = shards.add(float_tensors(config, nest_paths(leaves), dtype, write=enc, only=keep),
+                               key=None if ledger is None else unit)
+            if ledger is not None:
+                ledger.stage(unit, shard, enc.state())
 
-        produce(emit)
+        produce(emit, ledger)
         shards.config = enc.config(config, dtype, extra_config)
+        if ledger is not None:
+            ledger.close()
     return enc.summary(shards.root, shards.size)
 
 

@@ -94,18 +94,26 @@ class Shards:
         self.size = 0
         self.config: dict[str, Any] | None = None
 
-    def add(self, tensors: Mapping[str, np.ndarray]) -> None:
-        """Write ``tensors`` (in order) as the next shard, at once."""
+    def add(self, tensors: Mapping[str, np.ndarray], key: str | None = None) -> dict[str, Any] | None:
+        """Write ``tensors`` (in order) as the next shard, at once (file ``.shard-<key>``: rewritten by a later
+        add of the same key, as a resumed run does); returns its record for :meth:`restore`."""
         if not tensors:
-            return
-        f = self.tmp / f".shard-{len(self.files):05d}.safetensors"
+            return None
+        f = self.tmp / f".shard-{len(self.files):05d}.safetensors" if key is None else self.tmp / f".shard-{key}.safetensors"
         write_safetensors(f, tensors)
-        for name in tensors:
-            if name in self.weight_map:
-                raise ValueError(f"tensor {name} written twice")
-            self.weight_map[name] = len(self.files)
-        self.total += sum(int(a.nbytes) for a in tensors.values())
-        self.files.append(f)
+        record = {"file": f.name, "tensors": list(tensors), "bytes": sum(int(a.nbytes) for a in tensors.values())}
+        self.restore([record])
+        return record
+
+    def restore(self, records: list[dict[str, Any]]) -> None:
+        """Count shards already in the directory (:meth:`add`'s records) as written, in order."""
+        for r in records:
+            for name in r["tensors"]:
+                if name in self.weight_map:
+                    raise ValueError(f"tensor {name} written twice")
+                self.weight_map[name] = len(self.files)
+            self.total += int(r["bytes"])
+            self.files.append(self.tmp / r["file"])
 
     def _finish(self) -> None:
         n = len(self.files)
@@ -118,12 +126,13 @@ class Shards:
 
 @contextlib.contextmanager
 def shard_directory(directory: str | os.PathLike[str], *, overwrite: bool, kind: str,
-                    copy_from: str | os.PathLike[str] | None, files: Mapping[str, str | bytes] | None) -> Iterator[Shards]:
+                    copy_from: str | os.PathLike[str] | None, files: Mapping[str, str | bytes] | None,
+                    work: Path | None = None) -> Iterator[Shards]:
     """An HF directory written shard by shard (:class:`Shards`), atomically: it appears, with its index,
     the tokenizer and config.json (last), only when the block exits normally; before that the previous
-    ``directory`` is intact (:func:`eqjax.io.atomic.atomic_directory`)."""
+    ``directory`` is intact (:func:`eqjax.io.atomic.atomic_directory`, which ``work`` goes to)."""
     root = Path(directory)
-    with atomic_directory(directory, overwrite=overwrite, kind=kind) as tmp:
+    with atomic_directory(directory, overwrite=overwrite, kind=kind, work=work) as tmp:
         shards = Shards(tmp, root)
         yield shards
         if shards.config is None:

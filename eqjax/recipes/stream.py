@@ -105,7 +105,7 @@ def stream_cost(recipe: Recipe, windows: Any, hidden: int) -> int:
 
 def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Recipe | str, calibration: Any,
                     emit: Emitter, *, batch_size: int = 8, seed: int = 0,
-                    progress: Callable[[str], None] | None = None) -> list[tuple[str, str]]:
+                    progress: Callable[[str], None] | None = None, ledger: Any = None) -> list[tuple[str, str]]:
     """Run ``recipe`` on eqjax's ``model`` unit by unit (see the module docs); returns the steps' report lines.
 
     Args:
@@ -114,6 +114,8 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
       recipe: a :class:`Recipe` or a built-in name; calibration: token windows ``[n, T]`` (or None).
       emit: receives each unit's final leaves; nothing of a unit is kept after it returns.
       batch_size: windows per calibration batch (as :func:`eqjax.recipes.apply.quantize`).
+      ledger: a :class:`~eqjax.io.stream_ledger.StreamLedger` (or None): the units it has on record are
+        skipped, their activations and report restored, and each unit is committed to it after ``emit``.
     """
     recipe = resolve_recipe(recipe, "recipe of eqjax.recipes.stream.stream_quantize")
     check_streamable(recipe)
@@ -129,16 +131,20 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
     tokens_example = np.zeros((1, min(8, int(max_pos))), np.int32)
     report: list[tuple[str, str]] = []
     streams: dict[int, list[Any]] = {}
-    hidden_example = None
     changed = False
+    done = set(ledger.finished()) if ledger is not None else set()
+    if done:
+        streams, report, changed = ledger.restored()
+        say(f"resuming after {len(done)} of {len(units)} units")
+    hidden_example = jnp.zeros((1, tokens_example.shape[1], int(model.config.hidden)), jnp.float32)
     for unit in units:
+        if unit.name in done:
+            continue
         t0 = time.perf_counter()
         cur = dict(load(unit.paths))
         check_params(nest_paths(cur), f"params of {unit.name}", nonfinite=NonFiniteParamsError)
         fn = jax.jit(unit.fn)
-        if unit.name == "outer":
-            embed = jax.jit(lambda p, t: model.embed(p, t))
-            hidden_example = jnp.zeros(jax.eval_shape(embed, nest_paths(cur), tokens_example).shape, jnp.float32)
+        embed = jax.jit(lambda p, t: model.embed(p, t))
         for i, step in enumerate(steps):
             calibrated = i in cal_steps
             if unit.name == "outer" and calibrated:  # its input stream starts at the embeddings, so far
@@ -160,6 +166,8 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
         except NonFiniteError as e:
             raise NonFiniteResult(str(e)) from None
         emit(unit.name, cur)
+        if ledger is not None:
+            ledger.commit(unit.name, streams, report, changed)
         del cur
         say(f"{unit.name}: {time.perf_counter() - t0:.1f}s")
     if not changed:

@@ -3,7 +3,10 @@ that holds the in-memory run's quantized weights, and the refusals that come bef
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,3 +66,59 @@ def test_stream_refusals_come_before_any_work(ckpt, tmp_path, capsys, argv, matc
     assert main(["quantize", *flat, "--stream", "--out", str(tmp_path / "o")]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(directory.glob("model-*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_a_killed_stream_run_resumes_to_the_uninterrupted_output(ckpt, tmp_path, capsys):
+    """SIGKILL after the first decoder block is on record; ``--resume`` skips the finished units, restores the
+    GPTQ calibration activations and ends with the uninterrupted run's tensors, bit for bit."""
+    argv = ["quantize", "--model", str(ckpt), "--recipe", "w4g128-gptq", "--format", "compressed-tensors",
+            "--stream", "--calib-windows", "4", "--calib-len", "32"]
+    whole = tmp_path / "whole"
+    assert main([*argv, "--out", str(whole)]) == 0
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "eqjax.cli", *argv, "--out", str(out)], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[2])
+    for line in proc.stdout:
+        if line.strip().startswith("layers_0:"):  # printed once the block is committed
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not out.exists()
+    partial = tmp_path / ".out.partial"
+    assert (partial / ".progress" / "ledger.json").is_file()
+    capsys.readouterr()
+    assert main([*argv, "--out", str(out), "--resume"]) == 0
+    assert re.search(r"resuming after [2-9] of 4 units", capsys.readouterr().out)
+    assert not partial.exists() and not (out / ".progress").exists()
+    got, want = _tensors(out), _tensors(whole)
+    assert sorted(got) == sorted(want)
+    for name, a in want.items():
+        assert np.array_equal(got[name], a), name
+    assert (out / "config.json").read_text() == (whole / "config.json").read_text()
+
+
+def test_resume_refuses_another_run_and_needs_stream(ckpt, tmp_path, capsys):
+    argv = ["quantize", "--model", str(ckpt), "--format", "compressed-tensors", "--out", str(tmp_path / "o")]
+    partial = tmp_path / ".o.partial"
+    partial.mkdir()
+    assert main([*argv, "--recipe", "w4g128-rtn", "--stream", "--resume"]) == 2  # not eqjax's: refused, kept
+    assert "holds no eqjax progress record" in capsys.readouterr().err and partial.is_dir()
+    partial.rmdir()
+    (partial / ".progress").mkdir(parents=True)
+    (partial / ".progress" / "ledger.json").write_text(json.dumps({"run": {"recipe": "other"}, "units": []}))
+    assert main([*argv, "--recipe", "w4g128-rtn", "--stream", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "differs in" in err and len(err.strip().splitlines()) == 1
+    assert main([*argv, "--recipe", "w4g128-rtn", "--resume"]) == 2
+    assert "--resume goes on with a killed --stream run" in capsys.readouterr().err
+    assert main([*argv, "--recipe", "w4g128-rtn", "--stream"]) == 0  # without --resume: starts afresh
+    assert not partial.exists() and (tmp_path / "o" / "config.json").is_file()

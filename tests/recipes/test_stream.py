@@ -116,7 +116,7 @@ def test_hf_checkpoint_streamed_to_compressed_tensors_is_the_in_memory_file(tmp_
     m2, sp = stream_hf_checkpoint(tmp_path / "fp")
     assert sp.nbytes == sum(a.nbytes for a in read_checkpoint(tmp_path / "fp")[2].values())
     info = save_compressed_tensors_streamed(
-        tmp_path / "st", m2, lambda emit: stream_quantize(m2, sp.paths, sp.load, recipe, cal, emit))
+        tmp_path / "st", m2, lambda emit, ledger: stream_quantize(m2, sp.paths, sp.load, recipe, cal, emit, ledger=ledger))
     assert info["path"] == str(tmp_path / "st") and info["schemes"]
     _, cfg_a, a, _ = read_checkpoint(tmp_path / "mem")
     _, cfg_b, b, origin = read_checkpoint(tmp_path / "st")

@@ -28,6 +28,9 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from eqjax.methods.qat import QAT  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 OUT = RESULTS / "qat.json"
 
@@ -48,6 +51,8 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
                "--calib-len", "512", "--also-eval", "news", "--json", str(out)]
         if recipe.endswith("+qat"):
             cmd += ["--qat-tokens", str(args.qat_tokens)]
+            if args.qat_lr is not None:
+                cmd += ["--qat-lr", str(args.qat_lr)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         wall = time.perf_counter() - t0
@@ -57,6 +62,11 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
         row.pop("protocol", None)
         row.update(seed=seed, process_seconds=wall, machine=machine())
         return row
+
+
+def _lr(row: dict) -> float | None:
+    """The scale learning rate a row trained with (None: a row without QAT)."""
+    return row.get("step_reports", {}).get("qat", {}).get("lr_scale")
 
 
 def _width(recipe: str) -> str | None:
@@ -164,23 +174,27 @@ def main() -> int:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--eval-tokens", type=int, default=32768)
-    ap.add_argument("--rerun", action="store_true", help="measure rows again even if present")
+    ap.add_argument("--qat-lr", type=float, default=None, help="eqjax eval --qat-lr (default: the QAT step's)")
+    ap.add_argument("--rerun", action="store_true", help="measure rows again even if present (same learning rate)")
     args = ap.parse_args()
     protocol = {"eval_tokens": args.eval_tokens, "calib_windows": args.calib_windows, "ctx": 1024, "calib_ctx": 512}
     data = json.loads(OUT.read_text()) if OUT.is_file() else {"protocol": protocol, "rows": []}
     if data.get("protocol") != protocol:
         data = {"protocol": protocol, "rows": []}
     ref = references()
+    lr = args.qat_lr if args.qat_lr is not None else QAT.lr_scale
     for recipe in [r.strip() for r in args.recipes.split(",") if r.strip()]:
         for seed in [int(s) for s in args.seeds.split(",")]:
             tokens = args.qat_tokens if recipe.endswith("+qat") else 0
-            have = [r for r in data["rows"] if r["recipe"] == recipe and r["seed"] == seed
-                    and r.get("step_reports", {}).get("qat", {}).get("tokens", 0) >= tokens and "error" not in r]
+            want = lr if recipe.endswith("+qat") else None
+            same = [r for r in data["rows"] if r["recipe"] == recipe and r["seed"] == seed and _lr(r) == want]
+            have = [r for r in same if r.get("step_reports", {}).get("qat", {}).get("tokens", 0) >= tokens
+                    and "error" not in r]
             if have and not args.rerun:
                 continue
             print(f"{recipe} seed {seed} ...", flush=True)
             row = run_one(recipe, seed, args)
-            data["rows"] = [r for r in data["rows"] if not (r["recipe"] == recipe and r["seed"] == seed)] + [row]
+            data["rows"] = [r for r in data["rows"] if not any(r is x for x in same)] + [row]
             OUT.write_text(json.dumps(data, indent=1))
             OUT.with_suffix(".md").write_text(markdown(data["rows"], ref, protocol))
             print(row.get("ppl", row.get("error")), flush=True)

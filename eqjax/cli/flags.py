@@ -50,8 +50,8 @@ def add_qat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qat-tokens", type=int, default=None,
                    help=f"training tokens of a +qat recipe (default {QAT.tokens}; from the calibration windows, cycled)")
     p.add_argument("--qat-lr", type=float, default=None,
-                   help=f"learning rate of the latent weights and zero points of a +qat recipe, in grid steps "
-                        f"(default {QAT.lr_weight}; relative scales: a tenth of it)")
+                   help=f"learning rate of the relative scales of a +qat recipe (default {QAT.lr_scale}; latent "
+                        f"weights and zero points, in grid steps: a fifth of it)")
     p.add_argument("--qat-state", default=None,
                    help="directory for the training state of a +qat recipe: saved as it trains; a rerun resumes")
 
@@ -77,7 +77,7 @@ def with_qat_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
         if given["qat_tokens"] is not None:
             kw["tokens"] = given["qat_tokens"]
         if given["qat_lr"] is not None:
-            kw.update(lr_weight=given["qat_lr"], lr_scale=given["qat_lr"] / 10)
+            kw.update(lr_scale=given["qat_lr"], lr_weight=given["qat_lr"] / 5)
         if given["qat_state"] is not None:
             kw["checkpoint"] = given["qat_state"]
         return dataclasses.replace(s, **kw)

@@ -184,7 +184,7 @@ def leaf_kind(keypath: tuple[Any, ...]) -> str:
     return "weight"
 
 
-def default_optimizer(steps: int, *, lr_scale: float = 3e-3, lr_weight: float = 3e-2,
+def default_optimizer(steps: int, *, lr_scale: float = 5e-3, lr_weight: float = 1e-3,
                       warmup: float = 0.05) -> optax.GradientTransformation:
     """Adam with learning rate ``lr_scale`` on the relative scales and ``lr_weight`` on the latent weights and
     zero points (grid units: see the module docs; 0 freezes them), each with a linear warmup over ``warmup``
@@ -285,8 +285,8 @@ class QAT:
 
     tokens: int = 262144
     batch_size: int = 2
-    lr_scale: float = 3e-3
-    lr_weight: float = 3e-2
+    lr_scale: float = 5e-3
+    lr_weight: float = 1e-3
     warmup: float = 0.05
     checkpoint: str | None = None
     save_every: int = 50

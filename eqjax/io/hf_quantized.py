@@ -99,7 +99,7 @@ class Shards:
         add of the same key, as a resumed run does); returns its record for :meth:`restore`."""
         if not tensors:
             return None
-        f = self.tmp / f".shard-{len(self.files):05d}.safetensors" if key is None else self.tmp / f".shard-{key}.safetensors"
+        f = self.tmp / f".shard-{f'{len(self.files):05d}' if key is None else key}.safetensors"
         write_safetensors(f, tensors)
         record = {"file": f.name, "tensors": list(tensors), "bytes": sum(int(a.nbytes) for a in tensors.values())}
         self.restore([record])

@@ -137,6 +137,7 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
         streams, report, changed = ledger.restored()
         say(f"resuming after {len(done)} of {len(units)} units")
     hidden_example = jnp.zeros((1, tokens_example.shape[1], int(model.config.hidden)), jnp.float32)
+    embed = jax.jit(lambda p, t: model.embed(p, t))
     for unit in units:
         if unit.name in done:
             continue
@@ -144,7 +145,6 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
         cur = dict(load(unit.paths))
         check_params(nest_paths(cur), f"params of {unit.name}", nonfinite=NonFiniteParamsError)
         fn = jax.jit(unit.fn)
-        embed = jax.jit(lambda p, t: model.embed(p, t))
         for i, step in enumerate(steps):
             calibrated = i in cal_steps
             if unit.name == "outer" and calibrated:  # its input stream starts at the embeddings, so far

@@ -13,8 +13,9 @@ with ``s'`` the nearest value of the QArray's scale dtype and ``z' = clip(round(
 rounding passes its gradient straight through, so the scale gets the LSQ gradient (Esser et al., 2020):
 ``round(w / s) - w / s`` inside the range, the clipped integer outside; the weight gets the identity inside
 the range and 0 where it is clipped. Grid units make one learning rate mean the same for every layer, model
-and width: a weight step of 0.01 is a hundredth of its quantization step, a scale step of 0.01 one percent. The layout (groups along a flattened multi-axis contraction, per channel,
-per tensor) is the QArray's own granularity, so a recipe trains the same whatever the weight's layout.
+and width: a weight step of 0.01 is a hundredth of its quantization step, a scale step of 0.01 one percent.
+The layout (groups along a flattened multi-axis contraction, per channel, per tensor) is the QArray's own
+granularity, so a recipe trains the same whatever the weight's layout.
 
 :func:`export` gives back QArrays with the scale, zero point and codes the forward used: their dequantized
 values equal the trained forward's weights bit for bit, and every runner and exporter takes them (no

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from eqjax.core.linear import current_backend, use_backend
 from eqjax.core.pytree import tree_nbytes
 from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step
 
-__all__ = ["PplResult", "perplexity", "window_nll", "peak_rss_mb", "model_size_bytes", "check_token_ids",
+__all__ = ["PplResult", "perplexity", "window_nll", "by_block_scorer", "peak_rss_mb", "model_size_bytes", "check_token_ids",
            "ulp_bumped", "rounding_band", "within_band"]
 
 
@@ -98,10 +98,14 @@ def perplexity(
     kv_quant: Any = None,
     progress: bool = False,
     mesh: Mesh | None = None,
+    by_block: bool = False,
 ) -> PplResult:
     """Perplexity of ``model`` with ``params`` on ``windows`` (int32 ``[n, ctx]``), jitted and batched
     (``batch_size`` windows per device and step) on ``mesh`` (default
     :func:`eqjax.distributed.default_mesh`; see the module docs).
+
+    ``by_block``: run eqjax's own model one decoder block at a time (:func:`by_block_scorer`), so a quantized
+    model never holds more than one block's float weights; one device only.
 
     Padding (a short last step) repeats the last windows and is not counted.
     Token ids outside the model's vocabulary raise :class:`~eqjax.core.errors.CompatibilityError`; a NaN or
@@ -124,12 +128,19 @@ def perplexity(
     # reused only for a model and KV quantizer that hash by value (frozen dataclasses): an object hashed by
     # identity may change between calls, and a function traced earlier would not see that
     by_value = all(x is None or type(x).__hash__ not in (None, object.__hash__) for x in (model, kv_quant))
-    fn = (_scoring_fn if by_value else _scoring_fn.__wrapped__)(model, kv_quant, mesh, current_backend())
-    params = jax.tree.map(lambda x: put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
+    if by_block:
+        if mesh.size != 1:
+            raise InputError(f"block-at-a-time evaluation (by_block, eval --by-block) runs on one device, found a "
+                             f"mesh of {mesh.size} devices")
+        t0 = time.perf_counter()
+        compiled = by_block_scorer(model, params, batches[0][0].shape, kv_quant)
+    else:
+        fn = (_scoring_fn if by_value else _scoring_fn.__wrapped__)(model, kv_quant, mesh, current_backend())
+        params = jax.tree.map(lambda x: put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
+        t0 = time.perf_counter()
+        first, _ = stack_step(batches, 0, mesh)
+        compiled = fn.lower(params, first[0]).compile()
     steps = -(-len(batches) // mesh.size)
-    t0 = time.perf_counter()
-    first, _ = stack_step(batches, 0, mesh)
-    compiled = fn.lower(params, first[0]).compile()
     compile_s = time.perf_counter() - t0
     sums: list[np.ndarray] = []
     it: Any = range(steps)
@@ -171,6 +182,56 @@ def perplexity(
         compile_seconds=compile_s,
         tokens_per_s=n * ctx / seconds if seconds > 0 else float("inf"),
     )
+
+
+def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: Any = None) -> Callable[..., Any]:
+    """``score(params, tokens [1, B, T]) -> [1, B]`` summed next-token NLL, as :func:`window_nll`, computed one
+    decoder block at a time: the embedding, each block and the head are compiled programs of their own (one
+    per distinct block: its layer's attention window, or every layer with ``kv_quant``), so a block's weights
+    are dequantized inside its own program and freed with it. ``params``: eqjax's own model's tree (for the
+    shapes); ``shape``: ``(B, T)`` of every batch. ``score.programs``: the compiled programs."""
+    if not hasattr(model, "layer_names") or not hasattr(model, "block"):
+        raise InputError(f"block-at-a-time evaluation (by_block, eval --by-block): expected eqjax's own Model, found "
+                         f"{type(model).__name__}")
+    backend, names = current_backend(), model.layer_names
+    layers = set(names)
+    window = getattr(model.config, "window_for", lambda i: None)
+    rep = {i: i if kv_quant is not None else min(j for j in range(len(names)) if window(j) == window(i))
+           for i in range(len(names))}
+    pos = model.positions(*shape)
+    tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32)
+
+    def embed(p: Any, t: jax.Array) -> jax.Array:
+        with use_backend(backend):
+            return model.embed(p, t, pos)
+
+    def head_nll(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
+        with use_backend(backend):
+            logp = jax.nn.log_softmax(model.head(p, h)[:, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, t[:, 1:, None], axis=-1)[..., 0], axis=-1)
+
+    def block(i: int) -> Callable[[Any, jax.Array], jax.Array]:
+        def run(p: Any, h: jax.Array) -> jax.Array:
+            with use_backend(backend):
+                return model.block(p, h, pos, layer_index=i, kv_quant=kv_quant)[0]
+        return run
+
+    outer = {k: v for k, v in params.items() if k not in layers}
+    embed_c = jax.jit(embed).lower(outer, tok).compile()
+    h = jax.eval_shape(embed, outer, tok)
+    blocks = {i: jax.jit(block(i)).lower(params[names[i]], h).compile() for i in sorted(set(rep.values()))}
+    head_c = jax.jit(head_nll).lower(outer, h, tok).compile()
+
+    def score(p: Any, tokens: jax.Array) -> jax.Array:
+        rest = {k: v for k, v in p.items() if k not in layers}
+        t = jnp.asarray(tokens[0])
+        x = embed_c(rest, t)
+        for i, name in enumerate(names):
+            x = blocks[rep[i]](p[name], x)
+        return head_c(rest, x, t)[None]
+
+    score.programs = (embed_c, *blocks.values(), head_c)  # type: ignore[attr-defined]  (their memory_analysis())
+    return score
 
 
 def ulp_bumped(params: Any, k: int) -> Any:

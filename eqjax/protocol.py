@@ -275,12 +275,13 @@ def layer_histogram(setup: Setup, params: Any, layer: str) -> list[int]:
 
 def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None, batch_size: int = 2,
                     progress: bool = False, keep_params: bool = False, qparams: Any = None,
-                    hist_layer: str | None = None) -> dict[str, Any]:
+                    hist_layer: str | None = None, by_block: bool = False) -> dict[str, Any]:
     """Quantize with ``recipe`` and measure it: one result row (see module docs).
 
     ``qparams``: already-quantized params (e.g. from a checkpoint): measured as they are, not quantized
     again (``quantize_seconds`` is then 0). ``hist_layer``: also record the histogram of that layer's
-    weights (``_hist``, for the report plot).
+    weights (``_hist``, for the report plot). ``by_block``: evaluate one decoder block at a time
+    (:func:`eqjax.evaluate.perplexity`).
     """
     t0 = time.perf_counter()
     if qparams is None:
@@ -294,7 +295,7 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
     else:
         q_s = 0.0
     res = perplexity(setup.model, qparams, setup.eval_windows, batch_size=batch_size, kv_quant=recipe.kv,
-                     progress=progress)
+                     progress=progress, by_block=by_block)
     wb, ab, kvb = _bits_summary(qparams, recipe)
     size = model_size_bytes(qparams)
     row: dict[str, Any] = {
@@ -322,7 +323,8 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
     if trained:
         row["step_reports"] = trained
     for name, windows in setup.extra_eval.items():
-        extra = perplexity(setup.model, qparams, windows, batch_size=batch_size, kv_quant=recipe.kv, progress=progress)
+        extra = perplexity(setup.model, qparams, windows, batch_size=batch_size, kv_quant=recipe.kv, progress=progress,
+                           by_block=by_block)
         row[f"ppl_{name}"] = extra.ppl
         row[f"eval_tokens_{name}"] = extra.tokens
     if recipe.kv is not None:

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -95,3 +96,53 @@ def test_perplexity_reuses_its_traced_function_per_model_and_backend(monkeypatch
         c = perplexity(model, params, windows).ppl
     assert len(seen) > traced and set(seen[traced:]) == {"pallas_interpret"}
     assert c == a  # float kernels: every backend runs the same XLA matmuls
+
+
+def _sliding_llama(n_layers: int = 3, hidden: int = 32, intermediate: int = 64) -> Model:
+    return Model(LlamaConfig(vocab=64, hidden=hidden, intermediate=intermediate, n_layers=n_layers, n_heads=4,
+                             n_kv_heads=2, sliding_window=4, sliding_layers=(1,)))
+
+
+def test_by_block_perplexity_equals_the_whole_models():
+    """Block at a time runs the same float32 operations as the whole-model program (a sliding-window layer
+    and a KV quantizer included): the perplexities agree to float32 rounding of the window sums."""
+    from eqjax.methods.kvquant import KVQuant
+
+    model = _sliding_llama()
+    q = quantize(model.init_params(jax.random.key(0), std=0.2), "w4g128-rtn", model=model)
+    win = np.asarray(jax.random.randint(jax.random.key(1), (5, 16), 0, 64), np.int32)  # a padded last batch
+    for kv in (None, KVQuant(4, 4)):
+        a, b = perplexity(model, q, win, kv_quant=kv), perplexity(model, q, win, kv_quant=kv, by_block=True)
+        assert abs(b.ppl / a.ppl - 1) < 16 * np.finfo(np.float32).eps, (kv, a.ppl, b.ppl)
+        assert (b.windows, b.predictions) == (a.windows, a.predictions)
+
+
+def test_by_block_holds_one_blocks_float_weights():
+    """Compiled only: the whole model's temporary bytes grow with its blocks' float32 weights; block at a
+    time, the largest program's stay at about one block's, whatever the number of blocks."""
+    from eqjax.evaluate import by_block_scorer
+
+    hidden, inter = 256, 1024
+    per_block = (4 * hidden**2 + 3 * hidden * inter) * 4  # q, k, v, o (n_kv_heads = n_heads / 2: less) + MLP
+    temps = {}
+    for n in (2, 4):
+        model = _sliding_llama(n, hidden, inter)
+        q = quantize(model.init_params(jax.random.key(0), std=0.02), "w4g128-rtn", model=model)
+        whole = jax.jit(lambda p, x, m=model: m.apply(p, x)[0]).lower(q, jnp.zeros((1, 8), jnp.int32)).compile()
+        score = by_block_scorer(model, q, (1, 8))
+        temps[n] = (whole.memory_analysis().temp_size_in_bytes,
+                    max(c.memory_analysis().temp_size_in_bytes for c in score.programs))
+    assert temps[4][0] > 1.5 * per_block * 2  # the whole program holds (nearly) every block's floats
+    assert temps[2][1] == temps[4][1] < 1.25 * per_block, (temps, per_block)
+
+
+def test_by_block_needs_eqjaxs_own_model_on_one_device():
+    from jax.sharding import Mesh
+
+    from eqjax.core.errors import InputError
+
+    with pytest.raises(InputError, match="by_block"):
+        perplexity(lambda p, t: t, {}, np.zeros((1, 4), np.int32), by_block=True)
+    two = Mesh(np.array([jax.devices()[0]] * 2), ("data",))  # a mesh of two slots (the device repeated)
+    with pytest.raises(InputError, match="one device"):
+        perplexity(_sliding_llama(), {}, np.zeros((1, 4), np.int32), by_block=True, mesh=two)

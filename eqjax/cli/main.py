@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the result object here")
     p.add_argument("--also-eval", action="append", default=[], choices=("news",),
                    help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
+    p.add_argument("--by-block", action="store_true",
+                   help="evaluate one decoder block at a time (a quantized model holds one block's float weights, "
+                        "not all of them; one process, one device)")
     add_qat_args(p)
     _add_overwrite(p, "the --json file")
     _add_debug(p)
@@ -384,7 +387,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         recipe = Recipe(manifest.get("recipe") or "checkpoint", (), manifest.get("recipe_description", ""),
                         recipe_kv(manifest))
     with use_backend(args.backend):
-        row = evaluate_recipe(setup, recipe, batch_size=args.batch_size, progress=True, qparams=qparams)
+        row = evaluate_recipe(setup, recipe, batch_size=args.batch_size, progress=True, qparams=qparams,
+                              by_block=args.by_block)
     if args.checkpoint:
         row["checkpoint"] = str(pathlib.Path(args.checkpoint).absolute())
     row["protocol"] = setup.protocol

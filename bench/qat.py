@@ -10,7 +10,7 @@ post-training recipe of its width and AutoRound's best run of its width, on the 
 type; named in the table). Rows are appended as they finish; a rerun skips rows already measured.
 
 Usage: python bench/qat.py [--recipes w3g128-gptq-search+qat,...] [--qat-tokens 131072] [--seeds 0,1,2]
-       [--calib-windows 128] [--eval-tokens 32768]
+       [--calib-windows 128] [--eval-tokens 32768] [--qat-lr LR] [--qat-block-iters N]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from eqjax.methods.blockqat import BlockQAT  # noqa: E402
 from eqjax.methods.qat import QAT  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -53,6 +54,8 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
             cmd += ["--qat-tokens", str(args.qat_tokens)]
             if args.qat_lr is not None:
                 cmd += ["--qat-lr", str(args.qat_lr)]
+        if "+bqat" in recipe and args.qat_block_iters is not None:
+            cmd += ["--qat-block-iters", str(args.qat_block_iters)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         wall = time.perf_counter() - t0
@@ -67,6 +70,11 @@ def run_one(recipe: str, seed: int, args: argparse.Namespace) -> dict:
 def _lr(row: dict) -> float | None:
     """The scale learning rate a row trained with (None: a row without QAT)."""
     return row.get("step_reports", {}).get("qat", {}).get("lr_scale")
+
+
+def _block_iters(row: dict) -> int | None:
+    """The block-wise stage's steps per block of a row (None: a row without one)."""
+    return row.get("step_reports", {}).get("bqat", {}).get("iters")
 
 
 def _width(recipe: str) -> str | None:
@@ -111,21 +119,26 @@ def markdown(rows: list[dict], ref: dict, protocol: dict) -> str:
              f"zero points in quantization steps, of the scales relative), warmup 5 %, cosine decay to a tenth. "
              f"Float: {fp:.3f}. Machine: "
              f"{rows[0]['machine'] if rows else machine()}.", "",
-             "| recipe | seed | train tokens | steps | lr weight / scale | train s | total s | ppl | news ppl | vs float "
-             "| best PTQ at width | gap closed | AutoRound best |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Block-wise stage (`+bqat`): per decoder block, Adam steps on one calibration batch (8 x 512 tokens) each "
+             "against the float block's outputs; 'block steps / s' gives the steps per block and the stage's seconds.", "",
+             "| recipe | seed | block steps / s | train tokens | steps | lr weight / scale | train s | total s | ppl "
+             "| news ppl | vs float | best PTQ at width | gap closed | AutoRound best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['recipe']} | {r['seed']} | error: {r['error'][-120:]!r} |")
             continue
         w = _width(r["recipe"])
         rep = r.get("step_reports", {}).get("qat", {})
+        brep = r.get("step_reports", {}).get("bqat")
+        block = "" if brep is None else f"{brep['iters']} / {brep['seconds']:.0f}"
         ptq = ref["ptq"].get(w)
         ar = ref["autoround"].get(w)
         ptq_s = "" if ptq is None else "{:.3f} ({})".format(ptq["ppl"], ptq["recipe"])
         ar_s = "" if ar is None else "{:.3f} ({})".format(ar["ppl"], ar["name"])
         gap = "" if ptq is None or ptq["ppl"] <= fp else f"{100 * (ptq['ppl'] - r['ppl']) / (ptq['ppl'] - fp):.1f} %"
         lines.append(
-            f"| {r['recipe']} | {r['seed']} | {rep.get('tokens', '')} | {rep.get('steps', '')} | "
+            f"| {r['recipe']} | {r['seed']} | {block} | {rep.get('tokens', '')} | {rep.get('steps', '')} | "
             f"{rep.get('lr_weight', '')} / {rep.get('lr_scale', '')} | "
             f"{rep.get('seconds', float('nan')):.0f} | {r['process_seconds']:.0f} | {r['ppl']:.3f} | "
             f"{r.get('ppl_news', float('nan')):.3f} | {100 * (r['ppl'] / fp - 1):+.1f} % | "
@@ -175,6 +188,8 @@ def main() -> int:
     ap.add_argument("--calib-windows", type=int, default=128)
     ap.add_argument("--eval-tokens", type=int, default=32768)
     ap.add_argument("--qat-lr", type=float, default=None, help="eqjax eval --qat-lr (default: the QAT step's)")
+    ap.add_argument("--qat-block-iters", type=int, default=None,
+                    help="eqjax eval --qat-block-iters for +bqat recipes (default: the step's)")
     ap.add_argument("--rerun", action="store_true", help="measure rows again even if present (same learning rate)")
     args = ap.parse_args()
     protocol = {"eval_tokens": args.eval_tokens, "calib_windows": args.calib_windows, "ctx": 1024, "calib_ctx": 512}
@@ -187,7 +202,10 @@ def main() -> int:
         for seed in [int(s) for s in args.seeds.split(",")]:
             tokens = args.qat_tokens if recipe.endswith("+qat") else 0
             want = lr if recipe.endswith("+qat") else None
-            same = [r for r in data["rows"] if r["recipe"] == recipe and r["seed"] == seed and _lr(r) == want]
+            biters = (args.qat_block_iters if args.qat_block_iters is not None else BlockQAT.iters) \
+                if "+bqat" in recipe else None
+            same = [r for r in data["rows"] if r["recipe"] == recipe and r["seed"] == seed and _lr(r) == want
+                    and _block_iters(r) == biters]
             have = [r for r in same if r.get("step_reports", {}).get("qat", {}).get("tokens", 0) >= tokens
                     and "error" not in r]
             if have and not args.rerun:

@@ -1,6 +1,7 @@
 """Flags several ``eqjax`` commands share, under one name and default everywhere: ``--calib-windows``,
 ``--calib-len`` (calibration window length, tokens), ``--eval-len`` (evaluation window length, tokens) and the
-quantization-aware training flags of ``+qat`` recipes (``--qat-tokens``, ``--qat-lr``, ``--qat-state``).
+quantization-aware training flags of ``+qat`` recipes (``--qat-tokens``, ``--qat-lr``, ``--qat-state``) and
+``+bqat`` recipes (``--qat-block-iters``).
 Older spellings (``--calib-ctx``, ``--ctx``) stay accepted as hidden aliases of the same argument."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from eqjax.core.errors import InputError
+from eqjax.methods.blockqat import BlockQAT
 from eqjax.methods.qat import QAT
 from eqjax.recipes.types import Recipe
 
@@ -46,7 +48,8 @@ def add_eval_len(p: argparse.ArgumentParser, default: int, *, what: str = "", al
 
 
 def add_qat_args(p: argparse.ArgumentParser) -> None:
-    """``--qat-tokens``, ``--qat-lr`` and ``--qat-state`` (the QAT step of a ``+qat`` recipe)."""
+    """``--qat-tokens``, ``--qat-lr``, ``--qat-state`` (the QAT step of a ``+qat`` recipe) and ``--qat-block-iters``
+    (the block-wise step of a ``+bqat`` recipe)."""
     p.add_argument("--qat-tokens", type=int, default=None,
                    help=f"training tokens of a +qat recipe (default {QAT.tokens}; from the calibration windows, cycled)")
     p.add_argument("--qat-lr", type=float, default=None,
@@ -54,10 +57,14 @@ def add_qat_args(p: argparse.ArgumentParser) -> None:
                         f"weights and zero points, in grid steps: a fifth of it)")
     p.add_argument("--qat-state", default=None,
                    help="directory for the training state of a +qat recipe: saved as it trains; a rerun resumes")
+    p.add_argument("--qat-block-iters", type=int, default=None,
+                   help=f"optimizer steps per block of a +bqat recipe (default {BlockQAT.iters}; one calibration batch "
+                        "each)")
 
 
 def with_qat_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
     """``recipe`` with its QAT step set from the flags; a flag given for a recipe without one is an error."""
+    recipe = _with_block_iters(recipe, getattr(args, "qat_block_iters", None))
     given = {f: getattr(args, f, None) for f in ("qat_tokens", "qat_lr", "qat_state")}
     if all(v is None for v in given.values()):
         return recipe
@@ -83,3 +90,16 @@ def with_qat_args(recipe: Recipe, args: argparse.Namespace) -> Recipe:
         return dataclasses.replace(s, **kw)
 
     return dataclasses.replace(recipe, steps=tuple(setup(s) for s in recipe.steps))
+
+
+def _with_block_iters(recipe: Recipe, iters: int | None) -> Recipe:
+    """``recipe`` with ``--qat-block-iters`` applied to its block-wise QAT step."""
+    if iters is None:
+        return recipe
+    if not any(isinstance(s, BlockQAT) for s in recipe.steps):
+        raise InputError(f"--qat-block-iters trains a +bqat recipe: expected a recipe with block-wise training "
+                         f"(e.g. {recipe.name}+bqat), found {recipe.name!r}")
+    if iters < 0:
+        raise InputError(f"bad --qat-block-iters: expected >= 0, found {iters}")
+    steps = tuple(dataclasses.replace(s, iters=iters) if isinstance(s, BlockQAT) else s for s in recipe.steps)
+    return dataclasses.replace(recipe, steps=steps)

@@ -5,8 +5,9 @@ recipes apply to any model eqjax can trace; embedding tables (and a tied LM head
 is not a matmul weight stay in float, unless the name ends in ``+emb-int8`` (the embedding / tied LM
 head int8 per row, symmetric), ``+emb-int4`` (int4 groups of 32, asymmetric, float16 scales) or
 ``+emb-w7a8`` (7-bit per row in int8 storage, a tied head's activations int8 per token): any recipe,
-e.g. ``w4g128-gptq+emb-int4``; ``+qat`` (first of the suffixes) trains the recipe's quantized weights end to end
-after its post-training steps (:mod:`eqjax.methods.qat`, e.g. ``w3g128-gptq+qat``); a final ``+f16`` / ``+bf16`` stores every param still float in 16 bits
+e.g. ``w4g128-gptq+emb-int4``; ``+bqat`` then ``+qat`` (first of the suffixes) train the recipe's quantized weights
+block by block (:mod:`eqjax.methods.blockqat`) and end to end (:mod:`eqjax.methods.qat`) after its post-training
+steps (e.g. ``w3g128-gptq+bqat+qat``); a final ``+f16`` / ``+bf16`` stores every param still float in 16 bits
 (:mod:`eqjax.methods.halffloat`; ``fp+f16`` is the float16 model). Granularities are role-relative: one scale per output channel,
 or groups along the input. Group-wise recipes store float16 scales (rounded up), the per-channel and
 per-tensor ones float32.
@@ -24,6 +25,7 @@ from eqjax.core.errors import RecipeError
 from eqjax.core.numerics import QuantSpec
 from eqjax.core.qarray import per_input_group, per_output_channel, per_tensor
 from eqjax.methods.awq import AWQ
+from eqjax.methods.blockqat import BlockQAT
 from eqjax.methods.gptq import GPTQ
 from eqjax.methods.grid import SearchedRTN
 from eqjax.methods.halffloat import HALF_KINDS, HalfFloats
@@ -40,7 +42,7 @@ from eqjax.recipes.schema import SchemaError, validate_recipe_dict
 from eqjax.recipes.types import Recipe
 
 __all__ = ["EMBEDDINGS", "RECIPES", "embedding_step", "get_recipe", "recipe_names", "weight_rule",
-           "with_embedding", "with_half_floats", "with_qat"]
+           "with_embedding", "with_half_floats", "with_qat", "with_block_qat"]
 
 EMBEDDINGS = ("int8", "int4", "w7a8")
 
@@ -306,13 +308,10 @@ def with_half_floats(recipe: Recipe, kind: str) -> Recipe:
                                steps=tuple(recipe.steps) + (HalfFloats(HALF_KINDS[kind]),))
 
 
-def with_qat(recipe: Recipe, step: QAT | None = None) -> Recipe:
-    """``recipe`` followed by end-to-end quantization-aware training (named ``<recipe>+qat``). Refused for a
-    recipe that quantizes nothing, quantizes activations or the KV cache, or rotates (QAT trains
-    weight-only QArrays)."""
-    import dataclasses
-
-    where = f"recipe {recipe.name!r} with +qat"
+def _weight_only(recipe: Recipe, suffix: str) -> None:
+    """Refuse training (``+bqat`` / ``+qat``) for a recipe that quantizes nothing, quantizes activations or the
+    KV cache, or rotates (training takes weight-only QArrays)."""
+    where = f"recipe {recipe.name!r} with +{suffix}"
     if recipe.kv is not None:
         raise RecipeError(f"{where}: expected a weight-only recipe, found KV-cache quantization")
     for s in recipe.steps:
@@ -322,12 +321,32 @@ def with_qat(recipe: Recipe, step: QAT | None = None) -> Recipe:
                               "(activation quantization or a rotation)")
     if not any(getattr(s, "name", "") != "half" and not isinstance(s, HalfFloats) for s in recipe.steps):
         raise RecipeError(f"{where}: expected a recipe that quantizes weights, found no quantizing step")
+
+
+def with_qat(recipe: Recipe, step: QAT | None = None) -> Recipe:
+    """``recipe`` followed by end-to-end quantization-aware training (named ``<recipe>+qat``). Refused for a
+    recipe that quantizes nothing, quantizes activations or the KV cache, or rotates (QAT trains
+    weight-only QArrays)."""
+    import dataclasses
+
+    _weight_only(recipe, "qat")
     return dataclasses.replace(recipe, name=f"{recipe.name}+qat", steps=tuple(recipe.steps) + (step or QAT(),),
                                description=f"{recipe.description}; then quantization-aware training")
 
 
+def with_block_qat(recipe: Recipe, step: BlockQAT | None = None) -> Recipe:
+    """``recipe`` followed by block-wise quantization-aware training (named ``<recipe>+bqat``; refused as
+    :func:`with_qat` is)."""
+    import dataclasses
+
+    _weight_only(recipe, "bqat")
+    return dataclasses.replace(recipe, name=f"{recipe.name}+bqat", steps=tuple(recipe.steps) + (step or BlockQAT(),),
+                               description=f"{recipe.description}; then block-wise quantization-aware training")
+
+
 HALF_SUFFIXES = ("f16", "bf16")
-SUFFIXES = ("qat",) + tuple(f"emb-{k}" for k in EMBEDDINGS) + HALF_SUFFIXES
+TRAINING_SUFFIXES = ("bqat", "qat")
+SUFFIXES = TRAINING_SUFFIXES + tuple(f"emb-{k}" for k in EMBEDDINGS) + HALF_SUFFIXES
 
 
 def _is_file(name: str) -> bool:
@@ -344,7 +363,7 @@ def split_suffixes(name: str) -> tuple[str, list[str]]:
         if base in RECIPES or _is_file(base):
             return base, parts[i:]
     raise RecipeError(f"unknown recipe {name!r}; built-in: {', '.join(RECIPES)}, each optionally with "
-                      f"+qat, then +emb-int8 / +emb-int4 / +emb-w7a8, then +f16 / +bf16 (or a .toml/.json file)")
+                      f"+bqat, then +qat, then +emb-int8 / +emb-int4 / +emb-w7a8, then +f16 / +bf16 (or a .toml/.json file)")
 
 
 def check_suffixes(name: str, suffixes: list[str]) -> None:
@@ -355,7 +374,7 @@ def check_suffixes(name: str, suffixes: list[str]) -> None:
         if sfx.startswith("emb-") and sfx not in SUFFIXES:
             embedding_rule_dict(sfx[len("emb-"):])  # names the embedding options
         if sfx not in SUFFIXES:
-            raise RecipeError(f"unknown recipe suffix ({where}): expected +qat, then "
+            raise RecipeError(f"unknown recipe suffix ({where}): expected +bqat, then +qat, then "
                               f"{' / '.join('+emb-' + k for k in EMBEDDINGS)}, then +f16 / +bf16, found {'+' + sfx!r}")
     dup = next((x for i, x in enumerate(suffixes) if x in suffixes[:i]), None)
     if dup is not None:
@@ -365,10 +384,13 @@ def check_suffixes(name: str, suffixes: list[str]) -> None:
         if len(group) > 1:
             raise RecipeError(f"conflicting recipe suffixes ({where}): expected at most one {kind} suffix, found "
                               + " and ".join(repr("+" + x) for x in group))
-    if "qat" in suffixes[1:]:
-        raise RecipeError(f"misordered recipe suffixes ({where}): expected +qat first, right after the base recipe, "
-                          f"found it after {'+' + suffixes[suffixes.index('qat') - 1]!r}")
-    suffixes = [x for x in suffixes if x != "qat"]
+    training = [x for x in suffixes if x in TRAINING_SUFFIXES]
+    order = [x for x in TRAINING_SUFFIXES if x in training]
+    if suffixes[:len(training)] != order:
+        after = next(x for x, y in zip(suffixes, order + [None] * len(suffixes)) if x != y)
+        raise RecipeError(f"misordered recipe suffixes ({where}): expected +bqat / +qat first (in that order), right "
+                          f"after the base recipe, found {'+' + after!r} in their place")
+    suffixes = [x for x in suffixes if x not in TRAINING_SUFFIXES]
     if len(suffixes) == 2 and suffixes[0] in HALF_SUFFIXES:
         raise RecipeError(f"misordered recipe suffixes ({where}): expected +emb-* before +f16 / +bf16, found "
                           f"'+{suffixes[0]}' before '+{suffixes[1]}'")
@@ -395,6 +417,8 @@ def get_recipe(name: str) -> Recipe:
     for sfx in suffixes:
         if sfx == "qat":
             recipe = with_qat(recipe)
+        elif sfx == "bqat":
+            recipe = with_block_qat(recipe)
         else:
             recipe = with_half_floats(recipe, sfx) if sfx in HALF_SUFFIXES else with_embedding(recipe, sfx[len("emb-"):])
     return recipe
@@ -423,6 +447,7 @@ STEP_TYPES: dict[str, type] = {
     "rtn_search": SearchedRTN,
     "signround": SignRound,
     "qat": QAT,
+    "bqat": BlockQAT,
     "half": HalfFloats,
 }
 

@@ -63,12 +63,29 @@ def test_eval_reports_the_training(ckpt, tmp_path):
     assert rep["steps"] == 2 and rep["tokens"] == 128 and np.isfinite(rep["loss_last"])
 
 
+def test_block_qat_from_the_command_line_in_memory_and_streamed(ckpt, tmp_path):
+    rows = {}
+    for how in ([], ["--format", "compressed-tensors", "--stream"]):
+        out = tmp_path / ("s" if how else "m")
+        assert main(["quantize", "--model", str(ckpt), "--recipe", "w4g128-rtn+bqat", "--qat-block-iters", "3", *SMALL,
+                     *how, "--out", str(out)]) == 0
+        rows[bool(how)] = out
+    js = tmp_path / "row.json"
+    assert main(["eval", "--model", str(ckpt), "--recipe", "w4g128-rtn+bqat", "--qat-block-iters", "3", *SMALL,
+                 "--eval-tokens", "64", "--eval-len", "32", "--json", str(js)]) == 0
+    rep = json.loads(js.read_text())["step_reports"]["bqat"]
+    assert rep["iters"] == 3 and rep["blocks"] >= 2 and np.isfinite(rep["mse_ratio_median"]), rep
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--recipe", "w4g128-rtn", "--qat-tokens", "64"], "--qat-tokens trains a \\+qat recipe"),
     (["--recipe", "w4g128-rtn+qat", "--qat-lr", "0"], "bad --qat-lr"),
     (["--recipe", "w4g128-rtn+qat", "--qat-tokens", "0"], "bad --qat-tokens"),
     (["--recipe", "w8a8-smoothquant+qat"], "expected a weight-only recipe"),
-    (["--recipe", "w4g128-rtn+emb-int8+qat"], "expected \\+qat first"),
+    (["--recipe", "w4g128-rtn+emb-int8+qat"], "expected \\+bqat / \\+qat first"),
+    (["--recipe", "w4g128-rtn+qat+bqat"], "expected \\+bqat / \\+qat first"),
+    (["--recipe", "w4g128-rtn+qat", "--qat-block-iters", "4"], "--qat-block-iters trains a \\+bqat recipe"),
+    (["--recipe", "w4g128-rtn+bqat", "--qat-block-iters", "-1"], "bad --qat-block-iters"),
     (["--recipe", "w4g128-rtn+qat", "--format", "compressed-tensors", "--stream"], "end to end and is not streamed"),
 ])
 def test_refusals_before_any_work(ckpt, tmp_path, capsys, argv, match):

@@ -35,7 +35,7 @@ import optax
 from eqjax.calibration.blockfit import shared_jit
 from eqjax.core.errors import InputError, RecipeError
 from eqjax.core.pytree import flatten_with_paths
-from eqjax.methods.qat import FakeQuant, default_optimizer, fake_value, to_qarray, trainable
+from eqjax.methods.qat import FakeQuant, default_optimizer, fake_value, to_qarray, trainable, trainable_paths
 from eqjax.recipes.schema import step_kwargs
 
 __all__ = ["BlockQAT"]
@@ -90,7 +90,7 @@ class BlockQAT:
         if ctx.fn is None or not ctx.batches:
             raise RecipeError(f"step {self.name!r} trains on the model's blocks: it needs the model and "
                               "calibration batches (model=, calibration=)")
-        start, _ = trainable(params)  # refuses a leaf quantized another way, naming it
+        targets = set(trainable_paths(params))  # refuses a leaf quantized another way, naming it
         cal = ctx.calibrator(self.name)
         paths, leaves, _ = flatten_with_paths(ctx.template)
         original = dict(zip(paths, leaves))
@@ -102,11 +102,11 @@ class BlockQAT:
         t_start = time.perf_counter()
 
         def per_block(bc: Any, p: dict[str, Any]) -> dict[str, Any]:
-            weights = tuple(dict.fromkeys(u.path for u in bc.uses if u.path in start))
+            weights = tuple(dict.fromkeys(u.path for u in bc.uses if u.path in targets))
             if not weights:
                 return p
             t0 = time.perf_counter()
-            out, info = self._block(bc, p, {w: start[w] for w in weights}, original, tx, rng)
+            out, info = self._block(bc, p, trainable({w: p[w] for w in weights})[0], original, tx, rng)
             info["seconds"] = time.perf_counter() - t0
             blocks[bc.name] = info
             log.info("%s %s: block output error %.4g -> %.4g (%d steps, %.1fs)", self.name, bc.name, info["mse_init"],

@@ -59,7 +59,7 @@ from eqjax.core.qarray import Granularity, QArray, is_quantized, validate
 from eqjax.recipes.schema import step_kwargs
 from eqjax.recipes.types import with_paths
 
-__all__ = ["FakeQuant", "from_qarray", "fake_value", "to_qarray", "trainable", "fake_params", "export",
+__all__ = ["FakeQuant", "from_qarray", "fake_value", "to_qarray", "trainable", "trainable_paths", "fake_params", "export",
            "default_optimizer", "leaf_kind", "kl_to_teacher", "rebatch", "logits_of", "distillation_step", "QAT"]
 
 log = logging.getLogger("eqjax")
@@ -139,24 +139,27 @@ def to_qarray(fq: FakeQuant, name: str = "weight") -> QArray:
     return validate(dataclasses.replace(q, dtype=fq.dtype), name=name)
 
 
-def trainable(qparams: Mapping[str, Any]) -> tuple[dict[str, FakeQuant], dict[str, Any]]:
-    """Split params by path into ``(FakeQuant of every QArray, every other leaf)``.
-
-    A leaf quantized another way (an activation-quantized or rotated kernel) is an :class:`InputError`
-    naming its path: QAT trains weight-only QArrays."""
-    train, frozen = {}, {}
+def trainable_paths(qparams: Mapping[str, Any]) -> list[str]:
+    """The paths of the QArrays QAT trains, in order; a leaf quantized another way (an activation-quantized or
+    rotated kernel) or no QArray at all is an :class:`InputError` naming it: QAT trains weight-only QArrays."""
+    paths = []
     for path, x in qparams.items():
         if isinstance(x, QArray):
-            train[path] = from_qarray(x)
+            paths.append(path)
         elif is_quantized(x) and type(x).__name__ != "HalfFloat":
             raise InputError(f"quantization-aware training ({path}): expected a weight-only QArray or a float "
                              f"param, found a {type(x).__name__} (QAT trains weight-only recipes)")
-        else:
-            frozen[path] = x
-    if not train:
+    if not paths:
         raise InputError("quantization-aware training: expected quantized params (QArrays from a recipe), "
                          "found none; quantize first (e.g. w4g128-rtn or w4g128-gptq)")
-    return train, frozen
+    return paths
+
+
+def trainable(qparams: Mapping[str, Any]) -> tuple[dict[str, FakeQuant], dict[str, Any]]:
+    """Split params by path into ``(FakeQuant of every QArray, every other leaf)`` (refusals:
+    :func:`trainable_paths`)."""
+    train = {p: from_qarray(qparams[p]) for p in trainable_paths(qparams)}
+    return train, {p: x for p, x in qparams.items() if p not in train}
 
 
 def fake_params(train: Mapping[str, FakeQuant], frozen: Mapping[str, Any], template: Any) -> Any:

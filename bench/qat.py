@@ -110,6 +110,17 @@ def references() -> dict:
     return ref
 
 
+def machines(rows: list[dict]) -> str:
+    """Where the rows ran: one machine, or each machine with its rows (numbered from 1)."""
+    by: dict[str, list[int]] = {}
+    for i, r in enumerate(rows, 1):
+        by.setdefault(r.get("machine", machine()), []).append(i)
+    if len(by) <= 1:
+        return f"Machine: {next(iter(by), machine())}."
+    return "Machines: " + "; ".join(f"{m} (row{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))})"
+                                    for m, ix in by.items()) + "."
+
+
 def markdown(rows: list[dict], ref: dict, protocol: dict) -> str:
     fp = ref["fp"]
     lines = ["# Quantization-aware training (SmolLM2-135M, Wikipedia)", "",
@@ -117,8 +128,7 @@ def markdown(rows: list[dict], ref: dict, protocol: dict) -> str:
              f"{protocol['calib_windows']} x 512 tokens of the calibration split; QAT distils from the float model "
              f"(KL on the logits), batches of 2 x 512 tokens; Adam in grid units (learning rates of the latent weights and "
              f"zero points in quantization steps, of the scales relative), warmup 5 %, cosine decay to a tenth. "
-             f"Float: {fp:.3f}. Machine: "
-             f"{rows[0]['machine'] if rows else machine()}.", "",
+             f"Float: {fp:.3f}. {machines(rows)}", "",
              "Block-wise stage (`+bqat`): per decoder block, Adam steps on one calibration batch (8 x 512 tokens) each "
              "against the float block's outputs; 'block steps / s' gives the steps per block and the stage's seconds.", "",
              "| recipe | seed | block steps / s | train tokens | steps | lr weight / scale | train s | total s | ppl "

@@ -34,6 +34,7 @@ from eqjax.io.gguf_write import check_gguf_recipe
 from eqjax.io.gptq import GPTQ_FORMAT
 from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.methods.awq import AWQ
+from eqjax.methods.blockqat import BlockQAT
 from eqjax.methods.halffloat import HALF_KINDS, HalfFloats
 from eqjax.methods.lkd import ZeroQuantLKD
 from eqjax.methods.qat import QAT
@@ -178,8 +179,10 @@ def recipe_rows(pattern: str | None = None) -> list[dict[str, Any]]:
 
 def suffix_rows() -> list[tuple[str, str]]:
     """``(+suffix, what it does)`` for every recipe-name suffix of the registry."""
-    out = [("+qat", f"first: quantization-aware training of a weight-only recipe's quantized weights "
-                    f"({QAT.tokens} tokens unless --qat-tokens)")]
+    out = [("+bqat", f"first: block-wise quantization-aware training of a weight-only recipe's quantized weights "
+                     f"against the float blocks ({BlockQAT.iters} steps per block unless --qat-block-iters)"),
+           ("+qat", f"first (after +bqat): end-to-end quantization-aware training of a weight-only recipe's quantized "
+                    f"weights ({QAT.tokens} tokens unless --qat-tokens)")]
     for kind in EMBEDDINGS:
         d = embedding_rule_dict(kind)
         how = "per row" if d["granularity"] == "channel" else f"groups of {d['group_size']}"
@@ -204,7 +207,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(x[:-1], widths)) + "  " + x[-1] for x in (head, *body)]
     ref = ", ".join(f"{p.split('/')[-2]} {i}x{o}" for p, (i, o) in REFERENCE_SHAPES.items())
     lines += ["", f"bits/w: stored bits (codes + scales + zero points) per linear weight of a decoder block ({ref})",
-              "suffixes (after any recipe name, e.g. w4g128-gptq+qat+emb-int8+f16; +qat first, then at most one +emb-*, then +f16 or +bf16):"]
+              "suffixes (after any recipe name, e.g. w4g128-gptq+bqat+qat+emb-int8+f16; +bqat / +qat first, then at most one "
+              "+emb-*, then +f16 or +bf16):"]
     sw = max(len(s) for s, _ in suffix_rows())
     lines += [f"  {s.ljust(sw)}  {what}" for s, what in suffix_rows()]
     return "\n".join(lines)

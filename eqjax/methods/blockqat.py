@@ -64,7 +64,7 @@ class BlockQAT:
       seed: batch order.
     """
 
-    iters: int = 32
+    iters: int = 8
     lr_scale: float = 1e-2
     lr_weight: float = 1e-2
     warmup: float = 0.05

@@ -7,7 +7,7 @@ Llama-3.2-1B / 3B and Llama-3-8B shapes (``bench/random_checkpoint.py``).
 For each (model, recipe): the CLI run in its own process (as a user runs it), its wall time, time per billion
 parameters, peak RSS (the child's ``ru_maxrss``), the calibration activations the run keeps (the CLI's own
 figure) and the bytes it wrote; with ``--eval``, also ``eqjax eval --checkpoint`` of the result (its time and
-peak RSS; the perplexity of a random-weight model is not reported), block at a time with ``--by-block``. The
+peak RSS; the perplexity of a random-weight model is not reported), and block at a time with ``--by-block``. The
 table's last column divides each row's time per billion parameters by the smallest model's of the same recipe:
 1.0 everywhere is linear growth.
 
@@ -103,12 +103,12 @@ def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work:
          "calib_tokens": args.calib_windows * args.calib_len if "rtn" not in recipe else 0,
          "activations_mib": float(act.group(1)) if act else None,
          "bytes_written": sum(f.stat().st_size for f in out.iterdir() if f.is_file())}
-    if args.eval:
+    for mode in (("", []), ("by_block_", ["--by-block"]))[:1 + args.by_block] if args.eval else ():
         ev = ["eval", "--checkpoint", str(out), "--eval-len", str(args.calib_len), "--eval-tokens", str(args.calib_len),
-              "--batch-size", "1", *(["--by-block"] if args.by_block else [])]
+              "--batch-size", "1", *mode[1]]
         rc_, secs, rss, text = _run(ev)
-        r.update({"eval_s": round(secs, 1), "eval_peak_rss_gib": round(rss, 2)} if rc_ == 0
-                 else {"eval_error": text.strip().splitlines()[-1]})
+        r.update({f"{mode[0]}eval_s": round(secs, 1), f"{mode[0]}eval_peak_rss_gib": round(rss, 2)} if rc_ == 0
+                 else {f"{mode[0]}eval_error": text.strip().splitlines()[-1]})
     shutil.rmtree(out)
     return r
 
@@ -127,9 +127,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "'vs smallest' divides its seconds per billion parameters by the smallest model's for the same recipe "
         "(1.0 = linear growth).", "",
         "| model | recipe | parameters | quantize s | s / 1e9 params | vs smallest | peak RSS GiB | activations MiB "
-        "| written GiB |" + ((" eval --by-block s | eval --by-block peak RSS GiB |" if meta.get("eval_by_block")
-                              else " eval s | eval peak RSS GiB |") if meta["eval"] else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if meta["eval"] else ""),
+        "| written GiB |" + (" eval s | eval peak RSS GiB |" if meta["eval"] else "")
+        + (" eval --by-block s | eval --by-block peak RSS GiB |" if meta.get("eval_by_block") else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if meta["eval"] else "")
+        + ("---:|---:|" if meta.get("eval_by_block") else ""),
     ]
     for r in rows:
         if "error" in r:
@@ -139,7 +140,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['model']} | {r['recipe']} | {r['parameters'] / 1e9:.3f} B | {r['quantize_s']:.1f} | "
             f"{r['s_per_billion']:.1f} | {r['s_per_billion'] / base[r['recipe']]:.2f} | {r['peak_rss_gib']:.2f} | "
             f"{r['activations_mib']} | {r['bytes_written'] / 2**30:.2f} |"
-            + (f" {r.get('eval_s', '-')} | {r.get('eval_peak_rss_gib', r.get('eval_error', '-'))} |" if meta["eval"] else ""))
+            + "".join(f" {r.get(k + 'eval_s', '-')} | {r.get(k + 'eval_peak_rss_gib', r.get(k + 'eval_error', '-'))} |"
+                      for k in ("", "by_block_")[:1 + bool(meta.get("eval_by_block"))] if meta["eval"]))
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-windows", type=int, default=4)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--eval", action="store_true", help="also time 'eqjax eval --checkpoint' of each result")
-    ap.add_argument("--by-block", action="store_true", help="evaluate with 'eqjax eval --by-block' (one block at a time)")
+    ap.add_argument("--by-block", action="store_true", help="with --eval, also evaluate with 'eqjax eval --by-block' "
+                                                            "(one block at a time)")
     ap.add_argument("--work", default=None, help="where checkpoints are written (default: a temporary directory)")
     ap.add_argument("--out-name", default="scale")
     args = ap.parse_args(argv)
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "calib_windows": args.calib_windows, "calib_len": args.calib_len, "eval": args.eval,
-            "eval_by_block": args.by_block,
+            "eval_by_block": args.eval and args.by_block,
             "note": "1B/3B/8B rows: random weights, time and memory only"}
     results = ROOT / "bench" / "results"
     write_json(results / f"{args.out_name}.json", {"meta": meta, "rows": rows})

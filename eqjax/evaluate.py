@@ -65,10 +65,13 @@ class PplResult:
 
 def window_nll(model: Any, params: Any, tokens: jax.Array, kv_quant: Any = None) -> jax.Array:
     """Summed next-token NLL of each window: ``tokens [B, T]`` -> float32 ``[B]`` (``T - 1`` terms each)."""
-    logits, _ = model.apply(params, tokens, kv_quant=kv_quant)
+    return _next_token_nll(model.apply(params, tokens, kv_quant=kv_quant)[0], tokens)
+
+
+def _next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Summed NLL of each window's next tokens: logits ``[B, T, V]``, tokens ``[B, T]`` -> float32 ``[B]``."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    tgt = tokens[:, 1:]
-    nll = -jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.sum(nll, axis=-1)
 
 
@@ -207,8 +210,7 @@ def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: A
 
     def head_nll(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
         with use_backend(backend):
-            logp = jax.nn.log_softmax(model.head(p, h)[:, :-1].astype(jnp.float32), axis=-1)
-        return -jnp.sum(jnp.take_along_axis(logp, t[:, 1:, None], axis=-1)[..., 0], axis=-1)
+            return _next_token_nll(model.head(p, h), t)
 
     def block(i: int) -> Callable[[Any, jax.Array], jax.Array]:
         def run(p: Any, h: jax.Array) -> jax.Array:

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from eqjax.calibration.blockfit import shared_jit
+from eqjax.calibration.calibrate import block_mse
 from eqjax.core.errors import InputError, RecipeError
 from eqjax.core.pytree import flatten_with_paths
 from eqjax.methods.qat import FakeQuant, default_optimizer, fake_value, to_qarray, trainable, trainable_paths
@@ -137,13 +138,13 @@ class BlockQAT:
         floats = [i for i, o in enumerate(teacher[0]) if _is_float(o)]
         fn = bc.function()
         frozen = {k: p[k] for k in paths if k not in start}
-        n_el = sum(int(np.prod(teacher[0][i].shape)) for i in floats) * len(teacher)
+        per_batch = sum(int(np.prod(teacher[0][i].shape)) for i in floats)
 
         def run(train, ins):
             return fn({**frozen, **{w: fake_value(f) for w, f in train.items()}}, ins)
 
         def loss_fn(train, ins, ref):
-            return _sq_err(run(train, ins), ref, floats) / (n_el / len(teacher))
+            return _sq_err(run(train, ins), ref, floats) / per_batch
 
         def step(state, ins, ref):
             train, opt = state
@@ -153,14 +154,8 @@ class BlockQAT:
             train = {w: dataclasses.replace(f, scale=jnp.maximum(f.scale, 1e-6)) for w, f in train.items()}
             return (train, opt), loss
 
-        err_c = shared_jit(lambda qp, ins, ref: _sq_err(fn(qp, ins), ref, floats))
-
-        def block_mse(qp: Mapping[str, Any]) -> float:
-            sub = {k: qp[k] for k in paths}
-            return sum(float(err_c(sub, ins, ref)) for ins, ref in zip(inputs, teacher)) / n_el
-
         t_err = time.perf_counter()
-        mse0 = block_mse(p)
+        mse0 = block_mse(bc.outputs(p), teacher)
         t_err = time.perf_counter() - t_err
         info: dict[str, Any] = {"mse_init": mse0, "mse_trained": mse0, "iters": 0, "kept": False, "error_seconds": t_err}
         if self.iters == 0:
@@ -175,7 +170,7 @@ class BlockQAT:
             i = order.pop()
             state, loss = step_c(state, inputs[i], teacher[i])
         new = {**p, **{w: to_qarray(f, w) for w, f in state[0].items()}}
-        mse1 = block_mse(new)
+        mse1 = block_mse(bc.outputs(new), teacher)
         kept = mse1 < mse0 or not self.keep_better
         info.update(mse_trained=mse1, iters=self.iters, kept=kept, loss_last=float(loss),
                     train_seconds=time.perf_counter() - t_train)

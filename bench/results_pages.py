@@ -872,35 +872,44 @@ def page_memory() -> str:
 
 def page_scale() -> str:
     body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
-            "```bash\npython bench/scale.py --shapes 135m,1b,3b,8b --calib-windows 4 --calib-len 512\n```\n",
+            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n```\n",
             "`eqjax quantize --stream` (weights read on demand, one decoder block quantized and written at a time, "
             "compressed-tensors out), one process per row. **The 1B / 3B / 8B rows are random-weight checkpoints of "
             "the Llama-3.2-1B / 3B and Llama-3-8B shapes (`bench/random_checkpoint.py`): time and memory only.** "
             "'vs smallest': seconds per billion parameters over the smallest model's for the same recipe (1.0 = "
             "linear growth). 'activations': the calibration streams the run keeps.\n"]
     base: dict[str, float] = {}
+
+    def ev(r: dict, k: str) -> list[str]:
+        if f"{k}eval_s" in r:
+            return [f1(r[f"{k}eval_s"]), f2(r[f"{k}eval_peak_rss_gib"])]
+        return [f"failed: {r[f'{k}eval_error']}" if f"{k}eval_error" in r else "-", "-"]
+
     for name in ("scale.json", "scale_8b.json"):
         if not exists(name):
             continue
         d = load(name)
         m = d["meta"]
+        by_block = bool(m.get("eval_by_block"))
         rows = []
         for r in d["rows"]:
             if "error" in r:
-                rows.append([r["model"], r["recipe"], f"failed: {r['error']}", "", "", "", "", "", "", "", ""])
+                rows.append([r["model"], r["recipe"], f"failed: {r['error']}"] + [""] * (8 + 2 * by_block))
                 continue
             b = base.setdefault(r["recipe"], r["s_per_billion"])
             rows.append([r["model"], f"`{r['recipe']}`", f"{r['parameters'] / 1e9:.3f} B", f1(r["quantize_s"]),
                          f1(r["s_per_billion"]), f2(r["s_per_billion"] / b), f2(r["peak_rss_gib"]),
-                         f1(r["activations_mib"]), f2(r["bytes_written"] / 2**30),
-                         f1(r.get("eval_s")) if "eval_s" in r else r.get("eval_error", "-"),
-                         f2(r.get("eval_peak_rss_gib")) if "eval_s" in r else "-"])
+                         f1(r["activations_mib"]), f2(r["bytes_written"] / 2**30), *ev(r, ""),
+                         *(ev(r, "by_block_") if by_block else [])])
         body.append(f"Calibration: {m['calib_windows']} x {m['calib_len']} tokens (round-to-nearest takes none). "
                     f"'eval': `eqjax eval --checkpoint` of the written directory on {m['calib_len']} tokens (its "
-                    "time and peak RSS; no perplexity of random weights is shown).\n")
-        body.append(table(["model", "recipe", "parameters", "quantize s", "s / 1e9 params", "vs smallest",
-                           "peak RSS GiB", "activations MiB", "written GiB", "eval s", "eval peak RSS GiB"], rows,
-                          ["---", "---", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:", "--:"]))
+                    "time and peak RSS; no perplexity of random weights is shown)"
+                    + ("; 'by block': the same with `--by-block` (the embedding, each block and the head compiled "
+                       "apart)" if by_block else "") + ". A failed cell quotes the run's last line.\n")
+        head = ["model", "recipe", "parameters", "quantize s", "s / 1e9 params", "vs smallest", "peak RSS GiB",
+                "activations MiB", "written GiB", "eval s", "eval peak RSS GiB"]
+        head += ["by block eval s", "by block peak RSS GiB"] if by_block else []
+        body.append(table(head, rows, ["---", "---"] + ["--:"] * (len(head) - 2)))
         body.append("\n" + source([name], f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; "
                                          f"jax {m['jax']}; {m['when']}") + "\n")
     return "\n".join(body)

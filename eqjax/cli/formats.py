@@ -24,7 +24,7 @@ from eqjax.io.compressed_tensors import (
     save_compressed_tensors_streamed,
 )
 from eqjax.io.gguf import default_model_path, read_metadata
-from eqjax.io.gptq import GPTQ_FORMAT, is_gptq, load_gptq, save_gptq
+from eqjax.io.gptq import GPTQ_FORMAT, is_gptq, load_gptq, save_gptq, save_gptq_streamed
 from eqjax.io.gptq import check_recipe as check_gptq_recipe
 from eqjax.io.hf import FILE_DTYPES
 from eqjax.io.orbax import CHECKPOINT_ENTRIES
@@ -46,7 +46,7 @@ def add_format_args(p: Any) -> None:
                    help="compressed-tensors: the dtype of float tensors and scales in the files (default bfloat16)")
     p.add_argument("--stream", action="store_true",
                    help="for models larger than memory: read the weights on demand and quantize and write one "
-                        "decoder block at a time (--model: an HF safetensors directory; --format compressed-tensors)")
+                        "decoder block at a time (--model: an HF safetensors directory; --format compressed-tensors or gptq)")
     p.add_argument("--resume", action="store_true",
                    help="with --stream: go on from the last finished block of a killed run of the same command "
                         "(its progress is kept in .<out name>.partial beside --out)")
@@ -61,19 +61,19 @@ def check_format(fmt: str, recipe: Any, *, stream: bool = False, model: str | No
         check_gptq_recipe(recipe)
     if not stream:
         return
-    if fmt != FORMAT:
-        raise InputError(f"--stream writes --format {FORMAT} (one shard per block); found --format {fmt}")
+    if fmt not in (FORMAT, GPTQ_FORMAT):
+        raise InputError(f"--stream writes --format {FORMAT} or {GPTQ_FORMAT} (one shard per block); found --format {fmt}")
     if model is None or not pathlib.Path(model).is_dir():
         raise InputError(f"--stream reads an HF safetensors directory (--model DIR); found --model "
                          f"{model or '(the default GGUF model)'}")
     check_streamable(recipe)
 
 
-def stream_to_format(out: str, setup: Any, recipe: Any, *, model_path: str, dtype: str, overwrite: bool, seed: int,
-                     say: Any, resume: bool = False) -> str:
+def stream_to_format(fmt: str, out: str, setup: Any, recipe: Any, *, model_path: str, dtype: str, overwrite: bool,
+                     seed: int, say: Any, resume: bool = False) -> str:
     """Quantize ``setup``'s streamed params (:class:`eqjax.io.hf.StreamedParams`) unit by unit into a
-    compressed-tensors directory, one shard per unit, its progress kept after each unit (``resume``: go on
-    from a killed run's); returns a one-line summary."""
+    compressed-tensors or GPTQ (``fmt``) directory, one shard per unit, its progress kept after each unit
+    (``resume``: go on from a killed run's); returns a one-line summary."""
     files, copy_from, ids = _tokenizer(model_path, setup.tokenizer, setup.model.config)
     sp, model = setup.params, setup.model
     cal = setup.calib_windows if recipe.needs_calibration else None
@@ -87,9 +87,10 @@ def stream_to_format(out: str, setup: Any, recipe: Any, *, model_path: str, dtyp
     def produce(emit: Any, ledger: Any) -> None:
         stream_quantize(model, sp.paths, sp.load, recipe, cal, emit, seed=seed, progress=say, ledger=ledger)
 
-    info = save_compressed_tensors_streamed(out, model, produce, dtype=dtype, files=files, copy_from=copy_from,
-                                            extra_config=ids, overwrite=overwrite, run=run, resume=resume)
-    return _ct_line(info)
+    kw = dict(files=files, copy_from=copy_from, extra_config=ids, overwrite=overwrite, run=run, resume=resume)
+    if fmt == GPTQ_FORMAT:
+        return _gptq_line(save_gptq_streamed(out, model, produce, **kw))
+    return _ct_line(save_compressed_tensors_streamed(out, model, produce, dtype=dtype, **kw))
 
 
 def replaceable(fmt: str) -> tuple[str, ...]:
@@ -118,12 +119,16 @@ def save_in_format(fmt: str, out: str, setup: Any, qparams: Any, *, model_path: 
     """Write ``qparams`` as a ``fmt`` checkpoint (non-Orbax formats only); returns a one-line summary."""
     files, copy_from, ids = _tokenizer(model_path, setup.tokenizer, setup.model.config)
     if fmt == GPTQ_FORMAT:
-        info = save_gptq(out, setup.model, qparams, files=files, copy_from=copy_from, extra_config=ids, overwrite=overwrite)
-        kind = "sym" if info["sym"] else "asym"
-        return f"saved {info['path']} (gptq: int{info['bits']} g{info['group_size']} {kind}, {info['bytes'] / 2**20:.1f} MiB)"
+        return _gptq_line(save_gptq(out, setup.model, qparams, files=files, copy_from=copy_from, extra_config=ids,
+                                    overwrite=overwrite))
     info = save_compressed_tensors(out, setup.model, qparams, dtype=dtype, files=files, copy_from=copy_from,
                                    extra_config=ids, overwrite=overwrite)
     return _ct_line(info)
+
+
+def _gptq_line(info: dict[str, Any]) -> str:
+    kind = "sym" if info["sym"] else "asym"
+    return f"saved {info['path']} ({GPTQ_FORMAT}: int{info['bits']} g{info['group_size']} {kind}, {info['bytes'] / 2**20:.1f} MiB)"
 
 
 def _ct_line(info: dict[str, Any]) -> str:

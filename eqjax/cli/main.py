@@ -427,7 +427,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         if args.stream:
             print(f"streaming {setup.params.nbytes / 2**30:.2f} GiB of weights one block at a time; calibration "
                   f"activations {stream_cost(recipe, setup.calib_windows if recipe.needs_calibration else None, setup.model.config.hidden) / 2**20:.1f} MiB")
-            line = stream_to_format(args.out, setup, recipe, model_path=args.model, dtype=args.dtype,
+            line = stream_to_format(args.format, args.out, setup, recipe, model_path=args.model, dtype=args.dtype,
                                     overwrite=args.overwrite, seed=args.seed, say=lambda m: print(f"  {m}", flush=True),
                                     resume=args.resume)
             print(f"quantized with {recipe.name} in {time.perf_counter() - t0:.1f} s; peak RSS {peak_rss_mb() / 1024:.2f} GiB")

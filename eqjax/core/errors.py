@@ -91,11 +91,17 @@ def classify(exc: BaseException) -> str:
         return "runtime"
     if isinstance(exc, _INPUT_OS_ERRORS):
         return "input"
-    if isinstance(exc, (OSError, MemoryError)):
+    if isinstance(exc, (OSError, MemoryError)) or _out_of_memory(exc):
         return "runtime"
     if isinstance(exc, ValueError) and _raised_by_eqjax(exc):
         return "input"  # a deliberate check in eqjax code that still raises a plain ValueError
     return "internal"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation XLA could not make (its runtime error's ``RESOURCE_EXHAUSTED`` status; matched by name, so
+    this bottom layer does not import jax)."""
+    return type(exc).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and "RESOURCE_EXHAUSTED" in str(exc)
 
 
 _PKG_DIRS = tuple(
@@ -140,6 +146,9 @@ def describe(exc: BaseException) -> str:
         what = exc.strerror or type(exc).__name__
         return one_line(f"{what} ({os.fsdecode(exc.filename)})")
     msg = one_line(str(exc)) or type(exc).__name__
+    if _out_of_memory(exc):
+        return (f"out of memory: {msg} (for models larger than memory: 'eqjax quantize --stream' quantizes one block "
+                "at a time, 'eqjax eval --by-block' evaluates one block at a time)")
     if kind == "internal":
         return f"internal error {type(exc).__name__}: {msg} (a bug in eqjax; rerun with --debug for the traceback)"
     if isinstance(exc, (OSError, MemoryError)) and not isinstance(exc, EqjaxError):

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.core.numerics import codes, pack
-from eqjax.core.pytree import nest_paths
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
 from eqjax.io.hf import (
     HFTensor,
@@ -54,11 +53,11 @@ from eqjax.io.hf_quantized import (
     FormatError,
     pack_int32,
     recipe_refusal,
-    shard_directory,
+    save_streamed,
     unpack_int32,
     write_directory,
 )
-from eqjax.io.stream_ledger import StreamLedger, work_directory
+from eqjax.io.stream_ledger import StreamLedger
 from eqjax.models import Model
 
 __all__ = ["FORMAT", "FormatError", "check_recipe", "is_compressed_tensors", "load_compressed_tensors",
@@ -276,37 +275,11 @@ def save_compressed_tensors_streamed(
     copy_from: str | os.PathLike[str] | None = None, extra_config: Mapping[str, Any] | None = None,
     overwrite: bool = False, run: Mapping[str, Any] | None = None, resume: bool = False,
 ) -> dict[str, Any]:
-    """:func:`save_compressed_tensors` for a model quantized unit by unit: ``produce(emit, ledger)`` calls
-    ``emit(unit name, {param path: leaf})`` once per unit (:func:`eqjax.recipes.stream.stream_quantize`); each
-    unit is encoded and written as its own safetensors shard at once, so no more than one unit is held. The
-    directory appears only when every unit is written (the previous one is intact until then).
-
-    ``run`` (the run's identity, JSON) makes the write resumable: shards go to :func:`work_directory` with a
-    :class:`~eqjax.io.stream_ledger.StreamLedger` (handed to ``produce``, None without ``run``), and
-    ``resume`` goes on from a killed run's last finished unit."""
-    config = model.config
-    enc = _Encoder()
-    work = None if run is None else work_directory(directory)
-    ledger = None if run is None else StreamLedger(work, run, resume=resume)
-    if ledger is not None:
-        enc.restore(ledger.encoder)
-    with shard_directory(directory, overwrite=overwrite, kind=FORMAT, copy_from=copy_from, files=files,
-                         work=work) as shards:
-        if ledger is not None:
-            shards.restore(ledger.shards())
-
-        def emit(unit: str, leaves: dict[str, Any]) -> None:
-            keep = lambda t: all("/".join(p) in leaves for p in t.paths)  # noqa: E731
-            shard = shards.add(float_tensors(config, nest_paths(leaves), dtype, write=enc, only=keep),
-                               key=None if ledger is None else unit)
-            if ledger is not None:
-                ledger.stage(unit, shard, enc.state())
-
-        produce(emit, ledger)
-        shards.config = enc.config(config, dtype, extra_config)
-        if ledger is not None:
-            ledger.close()
-    return enc.summary(shards.root, shards.size)
+    """:func:`save_compressed_tensors` for a model quantized unit by unit (:func:`eqjax.io.hf_quantized.save_streamed`:
+    ``produce(emit, ledger)``, one shard per unit, the directory appears only when every unit is written;
+    ``run`` / ``resume``: a resumable write)."""
+    return save_streamed(directory, model, produce, _Encoder(), kind=FORMAT, dtype=dtype, files=files,
+                         copy_from=copy_from, extra_config=extra_config, overwrite=overwrite, run=run, resume=resume)
 
 
 # --------------------------------------------------------------------------------------------- reading

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,13 +29,15 @@ import numpy as np
 from eqjax.core.numerics import codes, pack
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_group, validate
 from eqjax.io.hf import HFTensor, assemble_params, cast_float, float_tensors, hf_config_dict, read_checkpoint, untied
-from eqjax.io.hf_quantized import FormatError, pack_int32, recipe_refusal, unpack_int32, write_directory
+from eqjax.io.hf_quantized import FormatError, pack_int32, recipe_refusal, save_streamed, unpack_int32, write_directory
 from eqjax.models import Model
 
-__all__ = ["GPTQ_FORMAT", "check_recipe", "is_gptq", "load_gptq", "save_gptq"]
+__all__ = ["GPTQ_FORMAT", "check_recipe", "is_gptq", "load_gptq", "save_gptq", "save_gptq_streamed"]
 
 GPTQ_FORMAT = "gptq"
 BITS = (4, 8)
+DTYPE = "float16"
+"""The file dtype of scales and float tensors: the layout's convention."""
 
 
 def check_recipe(recipe: Any) -> None:
@@ -77,6 +79,61 @@ def _encode(t: HFTensor, parts: list[Any], dtype: str) -> tuple[dict[str, np.nda
     return out, (bits, size, bool(q0.symmetric))
 
 
+class _Encoder:
+    """Encodes HF tensors from eqjax leaves (:data:`eqjax.io.hf.Writer`) in the GPTQ layout, collecting the one
+    ``(bits, group size, symmetric)`` scheme the config holds (a second one is a :class:`FormatError` naming the
+    tensor, at once) and the linears left in float (:class:`eqjax.io.hf_quantized.Encoder`)."""
+
+    def __init__(self) -> None:
+        self.scheme: tuple[int, int, bool] | None = None
+        self.skipped: list[str] = []
+
+    def __call__(self, t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
+        if not any(isinstance(x, (QArray, ActQuantKernel, RotatedKernel)) for x in leaves):
+            if t.transposed and len(t.hf_shape) == 2:
+                self.skipped.append(t.name[: -len(".weight")])
+            return None
+        tensors, scheme = _encode(t, leaves, file_dtype)
+        if self.scheme is not None and scheme != self.scheme:
+            raise FormatError(f"{t.name} ({GPTQ_FORMAT}): {_describe(scheme)}, where earlier linears are "
+                              f"{_describe(self.scheme)}; the layout's config holds one bit width, group size and "
+                              "symmetry for every quantized linear")
+        self.scheme = scheme
+        return tensors
+
+    def config(self, config: Any, dtype: str, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        """config.json's object once every tensor is encoded; :class:`FormatError` when nothing was quantized."""
+        if self.scheme is None:
+            raise FormatError(f"{GPTQ_FORMAT}: no quantized linear weight in the params (the layout holds quantized "
+                              "checkpoints; write float weights with eqjax.io.hf.save_hf_checkpoint)")
+        bits, size, sym = self.scheme
+        hf_cfg = hf_config_dict(config, dtype, extra)
+        hf_cfg["quantization_config"] = {"quant_method": GPTQ_FORMAT, "bits": bits, "group_size": size, "sym": sym,
+                                         "desc_act": False, "checkpoint_format": "gptq", "true_sequential": True,
+                                         "damp_percent": 0.01, "modules_in_block_to_quantize": None,
+                                         "lm_head": "lm_head" not in self.skipped and not config.tie_word_embeddings}
+        return hf_cfg
+
+    def state(self) -> dict[str, Any]:
+        """What it collected so far (JSON), for :meth:`restore` in a resumed run."""
+        return {"scheme": None if self.scheme is None else list(self.scheme), "skipped": self.skipped}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        if state.get("scheme") is not None:
+            bits, size, sym = state["scheme"]
+            self.scheme = (int(bits), int(size), bool(sym))
+        self.skipped += state.get("skipped", [])
+
+    def summary(self, root: Path, size: int) -> dict[str, Any]:
+        bits, group, sym = self.scheme or (None, None, None)
+        return {"path": str(root), "bytes": size, "bits": bits, "group_size": group, "sym": sym}
+
+
+def _describe(scheme: tuple[int, int, bool]) -> str:
+    bits, size, sym = scheme
+    return f"int{bits} g{size} {'sym' if sym else 'asym'}"
+
+
 def save_gptq(directory: str | os.PathLike[str], model: Model, params: Mapping[str, Any], *,
               files: Mapping[str, str | bytes] | None = None, copy_from: str | os.PathLike[str] | None = None,
               extra_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
@@ -86,32 +143,24 @@ def save_gptq(directory: str | os.PathLike[str], model: Model, params: Mapping[s
     :func:`eqjax.io.compressed_tensors.save_compressed_tensors`. Returns ``{"path", "bytes", "bits",
     "group_size", "sym"}``; a leaf the layout cannot hold is a :class:`FormatError` naming it, before any write."""
     config = untied(model.config, params)
-    schemes: set[tuple[int, int, bool]] = set()
-    skipped: list[str] = []
-
-    def write(t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
-        if not any(isinstance(x, (QArray, ActQuantKernel, RotatedKernel)) for x in leaves):
-            if t.transposed and len(t.hf_shape) == 2:
-                skipped.append(t.name[: -len(".weight")])
-            return None
-        tensors, scheme = _encode(t, leaves, file_dtype)
-        schemes.add(scheme)
-        return tensors
-
-    tensors = float_tensors(config, params, "float16", write=write)
-    if len(schemes) != 1:
-        found = "none" if not schemes else ", ".join(f"int{b} g{g} {'sym' if s else 'asym'}" for b, g, s in sorted(schemes))
-        raise FormatError(f"{GPTQ_FORMAT}: expected one bit width, group size and symmetry for every quantized linear "
-                          f"(the layout's config holds one), found {found}")
-    ((bits, size, sym),) = schemes
-    hf_cfg = hf_config_dict(config, "float16", extra_config)
-    hf_cfg["quantization_config"] = {"quant_method": GPTQ_FORMAT, "bits": bits, "group_size": size, "sym": sym,
-                                     "desc_act": False, "checkpoint_format": "gptq", "true_sequential": True,
-                                     "damp_percent": 0.01, "modules_in_block_to_quantize": None,
-                                     "lm_head": "lm_head" not in skipped and not config.tie_word_embeddings}
+    enc = _Encoder()
+    tensors = float_tensors(config, params, DTYPE, write=enc)
+    hf_cfg = enc.config(config, DTYPE, extra_config)
     root, size_b = write_directory(directory, tensors, hf_cfg, kind=GPTQ_FORMAT, copy_from=copy_from, files=files,
                                    overwrite=overwrite)
-    return {"path": str(root), "bytes": size_b, "bits": bits, "group_size": size, "sym": sym}
+    return enc.summary(root, size_b)
+
+
+def save_gptq_streamed(directory: str | os.PathLike[str], model: Model,
+                       produce: Callable[[Callable[[str, dict[str, Any]], None], Any], None], *,
+                       files: Mapping[str, str | bytes] | None = None, copy_from: str | os.PathLike[str] | None = None,
+                       extra_config: Mapping[str, Any] | None = None, overwrite: bool = False,
+                       run: Mapping[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
+    """:func:`save_gptq` for a model quantized unit by unit (:func:`eqjax.io.hf_quantized.save_streamed`:
+    ``produce(emit, ledger)``, one shard per unit, the directory appears only when every unit is written;
+    ``run`` / ``resume``: a resumable write)."""
+    return save_streamed(directory, model, produce, _Encoder(), kind=GPTQ_FORMAT, dtype=DTYPE, files=files,
+                         copy_from=copy_from, extra_config=extra_config, overwrite=overwrite, run=run, resume=resume)
 
 
 # --------------------------------------------------------------------------------------------- reading

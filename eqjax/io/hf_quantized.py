@@ -8,15 +8,17 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 
 from eqjax.core.errors import CompatibilityError
+from eqjax.core.pytree import nest_paths
 from eqjax.io.atomic import atomic_directory
-from eqjax.io.hf import INDEX_FILE, write_safetensors
+from eqjax.io.hf import INDEX_FILE, float_tensors, write_safetensors
+from eqjax.io.stream_ledger import StreamLedger, work_directory
 
-__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "pack_int32", "unpack_int32"]
+__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "Encoder", "save_streamed", "pack_int32", "unpack_int32"]
 
 WEIGHT_BITS = (4, 8)
 """Weight widths written: the ones the formats' kernels (vLLM, transformers, GPTQ) take."""
@@ -141,6 +143,56 @@ def shard_directory(directory: str | os.PathLike[str], *, overwrite: bool, kind:
         copy_tokenizer(tmp, copy_from, files)
         (tmp / "config.json").write_text(json.dumps(shards.config, indent=2, sort_keys=True))
     shards.size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+
+
+class Encoder(Protocol):
+    """What a format gives :func:`save_streamed`: it encodes each HF tensor from eqjax leaves
+    (:data:`eqjax.io.hf.Writer`: the file's tensors, or None for a float tensor written as is), collecting what
+    config.json needs; ``state`` / ``restore`` carry that collection (JSON) across a resumed run."""
+
+    def __call__(self, t: Any, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None: ...
+    def config(self, config: Any, dtype: str, extra: Mapping[str, Any] | None) -> dict[str, Any]: ...
+    def state(self) -> dict[str, Any]: ...
+    def restore(self, state: Mapping[str, Any]) -> None: ...
+    def summary(self, root: Path, size: int) -> dict[str, Any]: ...
+
+
+def save_streamed(directory: str | os.PathLike[str], model: Any, produce: Callable[[Callable[[str, dict[str, Any]], None],
+                  StreamLedger | None], None], enc: Encoder, *, kind: str, dtype: str,
+                  files: Mapping[str, str | bytes] | None = None, copy_from: str | os.PathLike[str] | None = None,
+                  extra_config: Mapping[str, Any] | None = None, overwrite: bool = False,
+                  run: Mapping[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
+    """An HF quantized directory (format ``kind``, tensors encoded by ``enc``) for a model quantized unit by unit:
+    ``produce(emit, ledger)`` calls ``emit(unit name, {param path: leaf})`` once per unit
+    (:func:`eqjax.recipes.stream.stream_quantize`); each unit is encoded and written as its own safetensors
+    shard at once, so no more than one unit is held. The directory appears only when every unit is written
+    (the previous one is intact until then).
+
+    ``run`` (the run's identity, JSON) makes the write resumable: shards go to :func:`work_directory` with a
+    :class:`~eqjax.io.stream_ledger.StreamLedger` (handed to ``produce``, None without ``run``), and
+    ``resume`` goes on from a killed run's last finished unit. Returns ``enc.summary``."""
+    config = model.config
+    work = None if run is None else work_directory(directory)
+    ledger = None if run is None else StreamLedger(work, {**run, "format": kind}, resume=resume)
+    if ledger is not None:
+        enc.restore(ledger.encoder)
+    with shard_directory(directory, overwrite=overwrite, kind=kind, copy_from=copy_from, files=files,
+                         work=work) as shards:
+        if ledger is not None:
+            shards.restore(ledger.shards())
+
+        def emit(unit: str, leaves: dict[str, Any]) -> None:
+            keep = lambda t: all("/".join(p) in leaves for p in t.paths)  # noqa: E731
+            shard = shards.add(float_tensors(config, nest_paths(leaves), dtype, write=enc, only=keep),
+                               key=None if ledger is None else unit)
+            if ledger is not None:
+                ledger.stage(unit, shard, enc.state())
+
+        produce(emit, ledger)
+        shards.config = enc.config(config, dtype, extra_config)
+        if ledger is not None:
+            ledger.close()
+    return enc.summary(shards.root, shards.size)
 
 
 def copy_tokenizer(target: Path, copy_from: str | os.PathLike[str] | None,

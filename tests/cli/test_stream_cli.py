@@ -49,6 +49,23 @@ def test_streamed_quantize_writes_the_in_memory_weights(ckpt, tmp_path, capsys):
                                    np.asarray(dequantize_leaf(v), np.float32), rtol=2.0**-8, atol=0, err_msg=p)
 
 
+def test_streamed_gptq_format_writes_the_in_memory_files(ckpt, tmp_path, capsys):
+    """``--stream --format gptq``: the shards hold the tensors of the in-memory ``--format gptq`` directory, bit
+    for bit (round to nearest gives the same codes unit by unit), and the same quantization_config."""
+    common = ["quantize", "--model", str(ckpt), "--recipe", "w4g128-rtn", "--format", "gptq"]
+    assert main([*common, "--out", str(tmp_path / "mem")]) == 0
+    assert main([*common, "--stream", "--out", str(tmp_path / "st")]) == 0
+    assert "saved" in capsys.readouterr().out
+    from safetensors.numpy import load_file
+
+    want, got = load_file(tmp_path / "mem" / "model.safetensors"), _tensors(tmp_path / "st")
+    assert sorted(got) == sorted(want) and any(k.endswith(".qweight") for k in got)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+    cfg = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("mem", "st")]
+    assert cfg[0] == cfg[1] and cfg[0]["quant_method"] == "gptq"
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--format", "orbax"], "--stream writes --format compressed-tensors"),
     (["--format", "compressed-tensors", "--model", "GGUF"], "--stream reads an HF safetensors directory"),

@@ -5,10 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eqjax.core.numerics import QuantSpec, dequantize, integer_values, quantize
 from eqjax.core.qarray import per_channel, per_group, per_input_group, validate
-from eqjax.methods.gptq import GPTQ, GPTQWarning, gptq_quantize, group_size_for, hessian_cholesky
+from eqjax.methods.gptq import GPTQ, GPTQWarning, _gptq_core, gptq_matrix, gptq_quantize, group_size_for, hessian_cholesky
+from eqjax.methods.grid import group_ids
 from eqjax.methods.rtn import RTN
 from eqjax.recipes.rules import Rule
 from tests.methods.ref_gptq import gptq_reference
@@ -93,6 +96,59 @@ def test_non_pd_hessian_retries_and_warns():
     assert np.all(np.isfinite(np.asarray(dequantize(q))))
     with pytest.raises(ValueError, match="not positive definite"):
         hessian_cholesky(-np.eye(4) * 1e6 - np.ones((4, 4)) * 1e7, max_damp_tries=0, name="x")
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(1, 48), extra_rank=st.integers(-47, 8), seed=st.integers(0, 2**16))
+def test_hessian_cholesky_is_the_factor_of_the_damped_inverse(k, extra_rank, seed):
+    """``U`` upper, positive diagonal, and equal to the Cholesky factor of the float64 inverse of
+    ``H + damp I`` (numpy's ``inv`` then ``cholesky``, an independent route), for full-rank and rank-deficient
+    ``H = X^T X``. Both routes are backward stable: the factors agree to ``K eps cond(H + damp I)``, and with
+    1 % damping ``cond <= 1 + 100 K`` however singular ``H`` is."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(max(1, k + extra_rank), k)) * np.exp(rng.normal(size=k))
+    h = x.T @ x
+    u, pd = hessian_cholesky(h, 0.01)
+    assert pd == 0.01 and u.shape == (k, k)
+    np.testing.assert_array_equal(np.tril(u, -1), 0.0)
+    assert np.all(np.diag(u) > 0)
+    hd = h + np.eye(k) * 0.01 * np.mean(np.diag(h))
+    ref = np.linalg.cholesky(np.linalg.inv(hd)).T
+    tol = 8 * k * np.finfo(np.float64).eps * np.linalg.cond(hd)
+    assert np.max(np.abs(u - ref)) <= tol * np.max(np.abs(ref))
+
+
+def test_sweep_memory_does_not_grow_with_the_number_of_groups():
+    """The compiled GPTQ sweep's temporary buffers: 128 groups of 8 inputs need no more than 8 groups of 128
+    beyond the grids themselves (a few ``[groups, out]`` arrays): the groups' ranges are one pass over the
+    weight, not one masked copy of it per group (which was 128 x 1 MiB here)."""
+    n_out, k = 256, 1024
+
+    def temp(g):
+        gid, ng = group_ids((k,), g)
+        args = (jnp.zeros((n_out, k)), jnp.zeros((k, k)), jnp.arange(k, dtype=jnp.int32), jnp.asarray(gid))
+        c = _gptq_core.lower(*args, ng, bits=4, symmetric=False, blocksize=128, static=True, scale_dtype="float16",
+                             starts=()).compile()
+        return c.memory_analysis().temp_size_in_bytes, ng
+
+    few, _ = temp(128)
+    many, ng = temp(8)
+    assert many <= few + 16 * ng * n_out * 4, (many, few)
+
+
+@pytest.mark.parametrize("act_order,grid", [(True, "minmax"), (False, "minmax"), (True, "search")])
+def test_output_channels_swept_in_chunks_give_the_same_result(act_order, grid):
+    """GPTQ treats each output channel on its own given ``U``: sweeping 23 channels 5 at a time (the last
+    chunk 3) gives the values, scales and zero points of one sweep, bit for bit (lazy-group grids without
+    act order, and searched grids, included)."""
+    x, w = _layer(n_in=48, n_out=23, n_tok=256)
+    h = 2 * x.T.astype(np.float64) @ x / len(x)
+    gid, ng = group_ids((48,), 16)
+    kw = dict(bits=3, act_order=act_order, grid=grid, blocksize=8, grid_kwargs=dict(n_grid=8))
+    whole = gptq_matrix(w, h, gid, ng, **kw)
+    chunked = gptq_matrix(w, h, gid, ng, max_rows=5, **kw)
+    for a, b in zip(whole, chunked):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_group_size_for():
@@ -273,9 +329,6 @@ def test_smollm2_gptq_w4_beats_rtn():
 
 def test_stored_qarray_is_exactly_gptq_choice():
     """dequantize(QArray) reproduces the float values the GPTQ sweep chose, bit for bit."""
-    from eqjax.methods.gptq import _gptq_core
-    from eqjax.methods.grid import group_ids
-
     x, w = _layer(n_in=32, n_out=8, n_tok=128)
     h = (2 * x.T.astype(np.float64) @ x / len(x))
     perm = np.argsort(-np.diag(h), kind="stable")

@@ -255,6 +255,10 @@ def test_exit_codes_and_one_line_messages():
     assert exit_code(OSError(28, "No space left on device")) == 1
     assert classify(TypeError("bug")) == "internal" and "--debug" in describe(TypeError("bug"))
     assert one_line("a\n\n b \nc") == "a; b; c"
+    oom = type("JaxRuntimeError", (RuntimeError,), {})("RESOURCE_EXHAUSTED: Out of memory allocating 30037835776 bytes.")
+    assert exit_code(oom) == 1 and describe(oom).startswith("out of memory: RESOURCE_EXHAUSTED")
+    assert "--by-block" in describe(oom) and "--debug" not in describe(oom)
+    assert classify(type("JaxRuntimeError", (RuntimeError,), {})("INTERNAL: x")) == "internal"
 
 
 def test_plain_value_errors_raised_by_eqjax_count_as_input():

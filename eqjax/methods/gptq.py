@@ -272,44 +272,45 @@ def gptq_matrix(
     if grid not in ("minmax", "search"):
         raise ValueError(f"{name}: GPTQ grid must be 'minmax' or 'search', got {grid!r}")
     static = static_groups or act_order or n_groups == 1 or grid == "search"
-    W = w_in.T.copy()  # [out, in], the reference's orientation
     dead = np.diag(h) == 0
     if dead.any():
         h = h.copy()
         h[dead, dead] = 1.0
-    W[:, dead] = 0.0
+        w_in = w_in.copy()
+        w_in[dead] = 0.0
     fixed = None
     if grid == "search":
-        sc, zp0, _ = search_grid(W.T, h, gid, n_groups, bits=bits, symmetric=symmetric, full_range=full_range,
+        sc, zp0, _ = search_grid(w_in, h, gid, n_groups, bits=bits, symmetric=symmetric, full_range=full_range,
                                  scale_dtype=scale_dtype, **dict(grid_kwargs or {}))
         fixed = (sc, zp0)
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
     u, _ = hessian_cholesky(h[np.ix_(perm, perm)], percdamp, max_damp_tries=max_damp_tries, name=name)
     starts = tuple(int(np.argmax(gid == g)) for g in range(n_groups)) if not static else ()
-    args = (jnp.asarray(W), jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32))
+    shared = (jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32))
     del u  # the float64 factor (K x K) is not needed beside its float32 copy
     kw = dict(bits=bits, symmetric=symmetric, blocksize=int(blocksize), static=bool(static), scale_dtype=scale_dtype,
               starts=starts, full_range=bool(full_range))
-    if fixed is None and mesh is not None and mesh.size > 1 and W.shape[0] % mesh.size == 0:
-        Q, scale, zp = _gptq_columns(mesh, *args, n_groups, **kw)
+    n_out = w_in.shape[1]
+    if fixed is None and mesh is not None and mesh.size > 1 and n_out % mesh.size == 0:
+        Q, scale, zp = _gptq_columns(mesh, jnp.asarray(w_in.T), *shared, n_groups, **kw)
         return jnp.transpose(Q), scale, zp
+    # Output channels in equal chunks (one compiled sweep for all): given U, GPTQ treats each output channel on
+    # its own, so the sweep's [out, in] working copies (the reference's orientation) are bounded by the chunk
+    # and the result is written into one [K, N] array (a 128k-row LM head would need several of 2 GB).
     rows = max_rows or max(1, _ROW_CHUNK_BYTES // (4 * n_in))
-    rows = -(-W.shape[0] // -(-W.shape[0] // rows))  # equal chunks: one compiled sweep for all of them
-    if W.shape[0] <= rows:
-        Q, scale, zp = _gptq_core(*args, n_groups, fixed, **kw)
-        return np.asarray(Q).T, scale, zp
-    # Output channels in chunks: given U, GPTQ treats each output channel on its own, so the sweep's
-    # [out, in] working copies are bounded by the chunk (a 128k-row LM head would need several of 2 GB).
-    parts = []
-    for r in range(0, W.shape[0], rows):
+    rows = -(-n_out // -(-n_out // rows))
+    Q = np.empty((n_in, n_out), np.float32)
+    scales, zps = [], []
+    for r in range(0, n_out, rows):
         sl = slice(r, r + rows)
         fx = None if fixed is None else (fixed[0][:, sl], None if fixed[1] is None else fixed[1][:, sl])
-        q, sc, z = _gptq_core(args[0][sl], *args[1:], n_groups, fx, **kw)
-        parts.append((np.asarray(q), sc, z))
-    Q = np.concatenate([q for q, _, _ in parts], axis=0)
-    scale = jnp.concatenate([sc for _, sc, _ in parts], axis=1)
-    zp = None if parts[0][2] is None else jnp.concatenate([z for _, _, z in parts], axis=1)
-    return Q.T, scale, zp
+        q, sc, z = _gptq_core(jnp.asarray(w_in[:, sl].T), *shared, n_groups, fx, **kw)
+        Q[:, sl] = np.asarray(q).T
+        scales.append(sc)
+        zps.append(z)
+    scale = scales[0] if len(scales) == 1 else jnp.concatenate(scales, axis=1)
+    zp = None if zps[0] is None else zps[0] if len(zps) == 1 else jnp.concatenate(zps, axis=1)
+    return Q, scale, zp
 
 
 def _gptq_columns(mesh: Any, W: jax.Array, U: jax.Array, perm: jax.Array, gid: jax.Array, n_groups: int,

@@ -36,6 +36,7 @@ from eqjax.cli.formats import (
     stream_to_format,
 )
 from eqjax.cli.hostmem import fix_mmap_threshold
+from eqjax.cli.interrupts import interrupts_stop_the_command
 from eqjax.cli.recipes import add_recipes_args, recipes_main
 from eqjax.cli.report import REPORT_FILES, markdown_table, write_report
 from eqjax.cli.resume import ROWS_FILE, RowLog, content_fingerprints, job_fingerprints, run_recipes
@@ -503,10 +504,6 @@ def _cmd_gguf(args: argparse.Namespace) -> int:
         return int(gguf_main(args) or 0)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:  # pragma: no cover - exercised by the kill tests
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: one line, SystemExit(2); --help: SystemExit(0)
@@ -524,9 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export-gguf": _cmd_gguf,
         "recipes": recipes_main,
     }
-    old_term = old_xfsz = None
+    old_xfsz = None
     try:
-        old_term = signal.signal(signal.SIGTERM, _on_sigterm)
         old_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an EFBIG error, not a core dump
     except ValueError:  # not the main thread
         pass
@@ -535,18 +531,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not fix_mmap_threshold():
             print("eqjax: warning: --low-memory has no effect here (the C library is not glibc)", file=sys.stderr)
     try:
-        if hasattr(args, "num_processes"):
-            check_distributed_args(args)
-            if is_multi_process(args) and os.environ.get("EQJAX_SUPERVISED") != "1":
+        with interrupts_stop_the_command():  # Ctrl-C / SIGTERM end the command, even one Python drops
+            if hasattr(args, "num_processes"):
+                check_distributed_args(args)
+                if is_multi_process(args) and os.environ.get("EQJAX_SUPERVISED") != "1":
 
-                env = os.environ.get
-                pid = args.process_id if args.process_id is not None else env("EQJAX_PROCESS_ID", env("JAX_PROCESS_ID"))
-                n = args.num_processes if args.num_processes is not None else env("EQJAX_NUM_PROCESSES",
-                                                                                  env("JAX_NUM_PROCESSES"))
-                coord = args.coordinator or env("EQJAX_COORDINATOR", env("JAX_COORDINATOR_ADDRESS"))
-                return supervise(list(sys.argv[1:] if argv is None else argv), process_id=pid, num_processes=n,
-                                 coordinator=coord, debug=debug)
-        return int(handlers[args.command](args) or 0)
+                    env = os.environ.get
+                    pid = args.process_id if args.process_id is not None else env("EQJAX_PROCESS_ID", env("JAX_PROCESS_ID"))
+                    n = args.num_processes if args.num_processes is not None else env("EQJAX_NUM_PROCESSES",
+                                                                                      env("JAX_NUM_PROCESSES"))
+                    coord = args.coordinator or env("EQJAX_COORDINATOR", env("JAX_COORDINATOR_ADDRESS"))
+                    return supervise(list(sys.argv[1:] if argv is None else argv), process_id=pid, num_processes=n,
+                                     coordinator=coord, debug=debug)
+            return int(handlers[args.command](args) or 0)
     except SystemExit:
         raise
     except BrokenPipeError:  # the reader of stdout went away (`eqjax recipes | head`): nothing left to say
@@ -560,8 +557,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"eqjax: error: {peer or describe(e)}", file=sys.stderr)
         return EXIT_RUNTIME if peer else exit_code(e)
     finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
         if old_xfsz is not None:
             signal.signal(signal.SIGXFSZ, old_xfsz)
 

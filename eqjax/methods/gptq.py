@@ -252,9 +252,9 @@ def gptq_matrix(
     Act-order implies static grids (each input keeps the grid of its own group). ``grid="search"``:
     static grids searched up front on the original weights, weighted by ``H``
     (:func:`eqjax.methods.grid.search_grid` with ``grid_kwargs``). Returns ``(Q [K, N] float32 on the
-    grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``; ``Q`` is a numpy array, or
-    with a multi-device ``mesh`` (and the min/max grid) a jax array whose ``N`` output channels were
-    quantized split over the mesh's devices (bitwise the same values). On one device the ``N`` output
+    grid, stored scales [n_groups, N], zero points [n_groups, N] or None)``, jax arrays; with a
+    multi-device ``mesh`` (and the min/max grid) the ``N`` output channels of ``Q`` were quantized split
+    over the mesh's devices (bitwise the same values). On one device the ``N`` output
     channels are swept ``max_rows`` at a time (default: as many as 64 MiB of float32 weights hold), which
     bounds the sweep's working copies of the weight without changing its values.
     """
@@ -296,16 +296,17 @@ def gptq_matrix(
         return jnp.transpose(Q), scale, zp
     # Output channels in equal chunks (one compiled sweep for all): given U, GPTQ treats each output channel on
     # its own, so the sweep's [out, in] working copies (the reference's orientation) are bounded by the chunk
-    # and the result is written into one [K, N] array (a 128k-row LM head would need several of 2 GB).
+    # and the result is written in place into one [K, N] jax array (a 128k-row LM head would need several of
+    # 2 GB; a numpy result would need one more copy to become the jax array the caller keeps).
     rows = max_rows or max(1, _ROW_CHUNK_BYTES // (4 * n_in))
     rows = -(-n_out // -(-n_out // rows))
-    Q = np.empty((n_in, n_out), np.float32)
+    Q = jnp.zeros((n_in, n_out), jnp.float32)
     scales, zps = [], []
     for r in range(0, n_out, rows):
         sl = slice(r, r + rows)
         fx = None if fixed is None else (fixed[0][:, sl], None if fixed[1] is None else fixed[1][:, sl])
         q, sc, z = _gptq_core(jnp.asarray(w_in[:, sl].T), *shared, n_groups, fx, **kw)
-        Q[:, sl] = np.asarray(q).T
+        Q = _put_columns(Q, q, r)
         scales.append(sc)
         zps.append(z)
     scale = scales[0] if len(scales) == 1 else jnp.concatenate(scales, axis=1)
@@ -345,6 +346,12 @@ def _sharded_core(mesh: Any, n_groups: int, kw_items: tuple) -> Any:
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows, rep, rep, rep),
                                  out_specs=(rows, cols, cols) if asym else (rows, cols), check_vma=False))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_columns(Q: jax.Array, q: jax.Array, start: jax.Array) -> jax.Array:
+    """``Q [K, N]`` with columns ``start:start + rows`` set to ``q.T`` (``q [rows, K]``), in place (``Q`` donated)."""
+    return jax.lax.dynamic_update_slice(Q, q.T, (0, start))
 
 
 def gptq_quantize(kernel: Any, hessian: Any, *, group_size: int | None = 128, scale_dtype: str | None = None,

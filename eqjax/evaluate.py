@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import resource
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from eqjax.core.errors import CompatibilityError, InputError, NonFiniteResult
 from eqjax.core.linear import current_backend, use_backend
-from eqjax.core.pytree import tree_nbytes
+from eqjax.core.pytree import nest_paths, tree_nbytes
+from eqjax.core.validate import check_params
 from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step
 
 __all__ = ["PplResult", "perplexity", "window_nll", "by_block_scorer", "peak_rss_mb", "model_size_bytes", "check_token_ids",
-           "ulp_bumped", "rounding_band", "within_band"]
+           "ulp_bumped", "rounding_band", "within_band", "is_streamed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +108,11 @@ def perplexity(
     (``batch_size`` windows per device and step) on ``mesh`` (default
     :func:`eqjax.distributed.default_mesh`; see the module docs).
 
-    ``by_block``: run eqjax's own model one decoder block at a time (:func:`by_block_scorer`), so a quantized
-    model never holds more than one block's float weights; one device only.
+    ``by_block``: run eqjax's own model one decoder block at a time, every batch through a block before the
+    next block (the programs of :func:`by_block_scorer`), so a quantized model never holds more than one
+    block's float weights; ``params`` may then be read on demand (:func:`is_streamed`: one block's params
+    resident at a time). One device only; the hidden states of all windows stay resident (``n x ctx x
+    hidden`` float32).
 
     Padding (a short last step) repeats the last windows and is not counted.
     Token ids outside the model's vocabulary raise :class:`~eqjax.core.errors.CompatibilityError`; a NaN or
@@ -128,35 +132,16 @@ def perplexity(
     bs = max(1, min(batch_size, n))
     batches = [(np.concatenate([windows[i:i + bs], np.repeat(windows[-1:], max(0, i + bs - n), axis=0)]),)
                for i in range(0, n, bs)]
-    # reused only for a model and KV quantizer that hash by value (frozen dataclasses): an object hashed by
-    # identity may change between calls, and a function traced earlier would not see that
-    by_value = all(x is None or type(x).__hash__ not in (None, object.__hash__) for x in (model, kv_quant))
     if by_block:
         if mesh.size != 1:
             raise InputError(f"block-at-a-time evaluation (by_block, eval --by-block) runs on one device, found a "
                              f"mesh of {mesh.size} devices")
-        t0 = time.perf_counter()
-        compiled = by_block_scorer(model, params, batches[0][0].shape, kv_quant)
+        sums, compile_s, seconds = _by_block_sums(model, params, batches, kv_quant, progress)
+    elif is_streamed(params):
+        raise InputError("params read on demand (StreamedParams) are evaluated block at a time: pass by_block=True "
+                         "(eval --by-block)")
     else:
-        fn = (_scoring_fn if by_value else _scoring_fn.__wrapped__)(model, kv_quant, mesh, current_backend())
-        params = jax.tree.map(lambda x: put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
-        t0 = time.perf_counter()
-        first, _ = stack_step(batches, 0, mesh)
-        compiled = fn.lower(params, first[0]).compile()
-    steps = -(-len(batches) // mesh.size)
-    compile_s = time.perf_counter() - t0
-    sums: list[np.ndarray] = []
-    it: Any = range(steps)
-    if progress and jax.process_index() == 0:
-        from tqdm.auto import tqdm
-
-        it = tqdm(it, desc="eval", unit="step", leave=False)
-    t0 = time.perf_counter()
-    for j in it:
-        arrays, _ = stack_step(batches, j, mesh)
-        out = compiled(params, arrays[0])
-        sums.append(np.asarray(out.addressable_data(0)).reshape(-1).astype(np.float64))
-    seconds = time.perf_counter() - t0
+        sums, compile_s, seconds = _whole_model_sums(model, params, batches, kv_quant, progress, mesh)
     per = np.concatenate(sums)[:n]
     total = float(np.sum(per))
     preds = n * (ctx - 1)
@@ -187,22 +172,19 @@ def perplexity(
     )
 
 
-def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: Any = None) -> Callable[..., Any]:
-    """``score(params, tokens [1, B, T]) -> [1, B]`` summed next-token NLL, as :func:`window_nll`, computed one
-    decoder block at a time: the embedding, each block and the head are compiled programs of their own (one
-    per distinct block: its layer's attention window, or every layer with ``kv_quant``), so a block's weights
-    are dequantized inside its own program and freed with it. ``params``: eqjax's own model's tree (for the
-    shapes); ``shape``: ``(B, T)`` of every batch. ``score.programs``: the compiled programs."""
+def _block_programs(model: Any, shape: tuple[int, int], kv_quant: Any
+                    ) -> tuple[Callable[..., Any], Callable[[int], Callable[..., Any]], Callable[..., Any], dict[int, int]]:
+    """``(embed(rest, tokens), block(i)(layer, h), head_nll(rest, h, tokens), rep)`` of eqjax's own
+    ``model`` for batches of ``shape``; ``rep[i]``: the first layer whose program layer ``i`` shares (its
+    attention window, or every layer its own with ``kv_quant``)."""
     if not hasattr(model, "layer_names") or not hasattr(model, "block"):
         raise InputError(f"block-at-a-time evaluation (by_block, eval --by-block): expected eqjax's own Model, found "
                          f"{type(model).__name__}")
     backend, names = current_backend(), model.layer_names
-    layers = set(names)
     window = getattr(model.config, "window_for", lambda i: None)
     rep = {i: i if kv_quant is not None else min(j for j in range(len(names)) if window(j) == window(i))
            for i in range(len(names))}
     pos = model.positions(*shape)
-    tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32)
 
     def embed(p: Any, t: jax.Array) -> jax.Array:
         with use_backend(backend):
@@ -218,6 +200,19 @@ def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: A
                 return model.block(p, h, pos, layer_index=i, kv_quant=kv_quant)[0]
         return run
 
+    return embed, block, head_nll, rep
+
+
+def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: Any = None) -> Callable[..., Any]:
+    """``score(params, tokens [1, B, T]) -> [1, B]`` summed next-token NLL, as :func:`window_nll`, computed one
+    decoder block at a time: the embedding, each block and the head are compiled programs of their own (one
+    per distinct block: its layer's attention window, or every layer with ``kv_quant``), so a block's weights
+    are dequantized inside its own program and freed with it. ``params``: eqjax's own model's tree (for the
+    shapes); ``shape``: ``(B, T)`` of every batch. ``score.programs``: the compiled programs."""
+    embed, block, head_nll, rep = _block_programs(model, shape, kv_quant)
+    names = model.layer_names
+    layers = set(names)
+    tok = jax.ShapeDtypeStruct(tuple(shape), jnp.int32)
     outer = {k: v for k, v in params.items() if k not in layers}
     embed_c = jax.jit(embed).lower(outer, tok).compile()
     h = jax.eval_shape(embed, outer, tok)
@@ -234,6 +229,69 @@ def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: A
 
     score.programs = (embed_c, *blocks.values(), head_c)  # type: ignore[attr-defined]  (their memory_analysis())
     return score
+
+
+def is_streamed(params: Any) -> bool:
+    """Whether ``params`` are read on demand (an :class:`eqjax.io.hf.StreamedParams`: ``paths`` and
+    ``load(paths) -> {path: leaf}``) rather than a tree."""
+    return hasattr(params, "paths") and callable(getattr(params, "load", None))
+
+
+def _parts(params: Any) -> tuple[list[str], Callable[[Iterable[str]], dict[str, Any]]]:
+    """``(top-level keys in order, read(keys) -> {key: subtree})`` of a tree or of streamed params (read
+    from their files on each call, every leaf checked finite)."""
+    if not is_streamed(params):
+        return list(params), lambda keys: {k: params[k] for k in keys}
+    keys = list(dict.fromkeys(p.split("/", 1)[0] for p in params.paths))
+
+    def read(wanted: Iterable[str]) -> dict[str, Any]:
+        want = set(wanted)
+        tree = nest_paths(params.load([p for p in params.paths if p.split("/", 1)[0] in want]))
+        check_params(tree, "params read for block-at-a-time evaluation", allow_int=True)
+        return tree
+
+    return keys, read
+
+
+def _by_block_sums(model: Any, params: Any, batches: list[tuple[np.ndarray]], kv_quant: Any, progress: bool
+                   ) -> tuple[list[np.ndarray], float, float]:
+    """Per-window NLL sums of every batch, decoder block outermost: each block's params are read (streamed
+    params: from their files) once and run on every batch's hidden states, which stay resident (``windows x
+    ctx x hidden`` float32). Returns ``(sums per batch, compile seconds, run seconds)``."""
+    shape = batches[0][0].shape
+    embed, block, head_nll, rep = _block_programs(model, shape, kv_quant)
+    names = model.layer_names
+    keys, read = _parts(params)
+    rest = read([k for k in keys if k not in set(names)])
+    tokens = [jnp.asarray(b[0]) for b in batches]
+    start = time.perf_counter()
+    compile_s = 0.0
+
+    def compiled(fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal compile_s
+        t0 = time.perf_counter()
+        out = jax.jit(fn).lower(*args).compile()
+        compile_s += time.perf_counter() - t0
+        return out
+
+    embed_c = compiled(embed, rest, tokens[0])
+    xs = [embed_c(rest, t) for t in tokens]
+    programs: dict[int, Any] = {}
+    it: Any = enumerate(names)
+    if progress and jax.process_index() == 0:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="eval (blocks)", unit="block", total=len(names), leave=False)
+    for i, name in it:
+        layer = read([name])[name]
+        if rep[i] not in programs:
+            programs[rep[i]] = compiled(block(i), layer, xs[0])
+        xs = [programs[rep[i]](layer, x) for x in xs]
+        jax.block_until_ready(xs)  # this block's weights go before the next block's are read
+        del layer
+    head_c = compiled(head_nll, rest, xs[0], tokens[0])
+    sums = [np.asarray(head_c(rest, x, t)).reshape(-1).astype(np.float64) for x, t in zip(xs, tokens)]
+    return sums, compile_s, time.perf_counter() - start - compile_s
 
 
 def ulp_bumped(params: Any, k: int) -> Any:
@@ -257,6 +315,33 @@ def rounding_band(model: Any, params: Any, windows: np.ndarray, bumps: tuple[int
     shows against eqjax on these windows. It shrinks with more tokens. Float and weight-only models
     barely move."""
     return [perplexity(model, params if k == 0 else ulp_bumped(params, k), windows, **kw).ppl for k in (0, *bumps)]
+
+
+def _whole_model_sums(model: Any, params: Any, batches: list[tuple[np.ndarray]], kv_quant: Any, progress: bool,
+                      mesh: Mesh) -> tuple[list[np.ndarray], float, float]:
+    """Per-window NLL sums of every batch from one compiled program of the whole model on ``mesh``
+    (``mesh.size`` batches a step). Returns ``(sums per step, compile seconds, run seconds)``."""
+    # reused only for a model and KV quantizer that hash by value (frozen dataclasses): an object hashed by
+    # identity may change between calls, and a function traced earlier would not see that
+    by_value = all(x is None or type(x).__hash__ not in (None, object.__hash__) for x in (model, kv_quant))
+    fn = (_scoring_fn if by_value else _scoring_fn.__wrapped__)(model, kv_quant, mesh, current_backend())
+    params = jax.tree.map(lambda x: put(x, replicated(mesh)) if _needs_placing(x, mesh) else x, params)
+    t0 = time.perf_counter()
+    first, _ = stack_step(batches, 0, mesh)
+    compiled = fn.lower(params, first[0]).compile()
+    compile_s = time.perf_counter() - t0
+    sums: list[np.ndarray] = []
+    it: Any = range(-(-len(batches) // mesh.size))
+    if progress and jax.process_index() == 0:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="eval", unit="step", leave=False)
+    t0 = time.perf_counter()
+    for j in it:
+        arrays, _ = stack_step(batches, j, mesh)
+        out = compiled(params, arrays[0])
+        sums.append(np.asarray(out.addressable_data(0)).reshape(-1).astype(np.float64))
+    return sums, compile_s, time.perf_counter() - t0
 
 
 def within_band(value: float, band: list[float], rel_tol: float) -> bool:

@@ -10,6 +10,7 @@ over recipes is :mod:`eqjax.cli.resume`; the report files, :mod:`eqjax.cli.repor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -25,7 +26,7 @@ from eqjax.core.pytree import flatten, get_path
 from eqjax.core.qarray import HalfFloat, QArray
 from eqjax.core.validate import check_params
 from eqjax.data import DataError, calibration_windows, encode_cached, load_text_file, news_tokens, token_windows, wikipedia_tokens
-from eqjax.evaluate import check_token_ids, model_size_bytes, peak_rss_mb, perplexity
+from eqjax.evaluate import check_token_ids, is_streamed, model_size_bytes, peak_rss_mb, perplexity
 from eqjax.io import load_model, stream_model
 from eqjax.methods.kvquant import kv_bytes_per_token
 from eqjax.recipes.apply import quantize
@@ -204,21 +205,27 @@ def _extra_windows(name: str, tok: Any, tok_src: str, model: Any, ctx: int, n_ev
         raise DataError(f"not enough {name} text (--also-eval {name}, --eval-tokens {eval_tokens}, --eval-len {ctx}): {e}") from None
 
 
-def _bits_summary(params: Any, recipe: Recipe) -> tuple[str, str, str]:
-    """(weight bits, activation bits, KV bits) as short strings: '16'/'32' for float, 'mixed' when mixed."""
-    w: set[int] = set()
-    a: set[int] = set()
-    floats = halves = 0
-    for path, leaf in flatten(params):
-        if isinstance(leaf, ActQuantKernel):
-            w.add(leaf.weight.bits)
-            a.add(leaf.act_bits)
-        elif isinstance(leaf, QArray):
-            w.add(leaf.bits)
-        elif isinstance(leaf, HalfFloat):
-            halves += path.endswith(("/kernel", "/embedding"))
-        elif path.endswith("/kernel"):
-            floats += 1
+def _leaf_kind(path: str, leaf: Any) -> tuple[str, Any, Any]:
+    """What :func:`_bits_summary` counts of one leaf: ``("w", weight bits, activation bits or None)``,
+    ``("half", is a kernel or embedding, None)``, ``("float", True, None)`` for a float kernel, else ``("other", ...)``."""
+    if isinstance(leaf, ActQuantKernel):
+        return "w", leaf.weight.bits, leaf.act_bits
+    if isinstance(leaf, QArray):
+        return "w", leaf.bits, None
+    if isinstance(leaf, HalfFloat):
+        return "half", path.endswith(("/kernel", "/embedding")), None
+    return ("float", True, None) if path.endswith("/kernel") else ("other", None, None)
+
+
+def _bits_summary(params: Any, recipe: Recipe, kinds: Iterable[tuple[str, Any, Any]] | None = None) -> tuple[str, str, str]:
+    """(weight bits, activation bits, KV bits) as short strings: '16'/'32' for float, 'mixed' when mixed.
+    ``kinds``: the leaves' :func:`_leaf_kind` where ``params`` is not a tree at hand (streamed)."""
+    kinds = [_leaf_kind(p, leaf) for p, leaf in flatten(params)] if kinds is None else list(kinds)
+    w = {k[1] for k in kinds if k[0] == "w"}
+    a = {k[2] for k in kinds if k[0] == "w" and k[2] is not None}
+    halves = sum(1 for k in kinds if k[0] == "half" and k[1])
+    floats = sum(1 for k in kinds if k[0] == "float")
+
     def fmt(s: set[int], none: str) -> str:
         if not s:
             return none
@@ -273,6 +280,13 @@ def layer_histogram(setup: Setup, params: Any, layer: str) -> list[int]:
     return [int(c) for c in np.histogram(w, bins=_hist_bins(setup, layer))[0]]
 
 
+def _noting(load: Any, seen: dict[str, Any], paths: Any) -> dict[str, Any]:
+    """``load(paths)``, noting each leaf's bytes and :func:`_leaf_kind` in ``seen`` by path."""
+    out = load(paths)
+    seen.update({p: (model_size_bytes({"x": leaf}), _leaf_kind(p, leaf)) for p, leaf in out.items()})
+    return out
+
+
 def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None, batch_size: int = 2,
                     progress: bool = False, keep_params: bool = False, qparams: Any = None,
                     hist_layer: str | None = None, by_block: bool = False) -> dict[str, Any]:
@@ -294,10 +308,17 @@ def evaluate_recipe(setup: Setup, recipe: Recipe, *, fp_ppl: float | None = None
         q_s = time.perf_counter() - t0
     else:
         q_s = 0.0
+    seen: dict[str, tuple[int, tuple[str, Any, Any]]] = {}  # streamed params: path -> (bytes, kind), as read
+    if is_streamed(qparams):
+        qparams = dataclasses.replace(qparams, load=functools.partial(_noting, qparams.load, seen))
     res = perplexity(setup.model, qparams, setup.eval_windows, batch_size=batch_size, kv_quant=recipe.kv,
                      progress=progress, by_block=by_block)
-    wb, ab, kvb = _bits_summary(qparams, recipe)
-    size = model_size_bytes(qparams)
+    if is_streamed(qparams):
+        wb, ab, kvb = _bits_summary(None, recipe, kinds=[k for _, k in seen.values()])
+        size = sum(b for b, _ in seen.values())
+    else:
+        wb, ab, kvb = _bits_summary(qparams, recipe)
+        size = model_size_bytes(qparams)
     row: dict[str, Any] = {
         "recipe": recipe.name,
         "description": recipe.description,

@@ -146,3 +146,30 @@ def test_by_block_needs_eqjaxs_own_model_on_one_device():
     two = Mesh(np.array([jax.devices()[0]] * 2), ("data",))  # a mesh of two slots (the device repeated)
     with pytest.raises(InputError, match="one device"):
         perplexity(_sliding_llama(), {}, np.zeros((1, 4), np.int32), by_block=True, mesh=two)
+
+
+def test_streamed_params_are_read_one_block_at_a_time():
+    """Params read on demand give the tree's block-at-a-time perplexity bit for bit, each decoder block read
+    once (not once per batch) and alone, the embedding, norm and head once together."""
+    from eqjax.core.errors import InputError
+    from eqjax.core.pytree import flatten
+    from eqjax.io.hf import StreamedParams
+
+    model = _sliding_llama()
+    q = quantize(model.init_params(jax.random.key(0), std=0.2), "w4g128-rtn", model=model)
+    flat = dict(flatten(q))
+    reads: list[set[str]] = []
+
+    def load(paths):
+        reads.append({p.split("/", 1)[0] for p in paths})
+        return {p: flat[p] for p in paths}
+
+    streamed = StreamedParams(tuple(flat), load)
+    win = np.asarray(jax.random.randint(jax.random.key(1), (5, 16), 0, 64), np.int32)  # three batches of two
+    a = perplexity(model, q, win, by_block=True)
+    b = perplexity(model, streamed, win, by_block=True)
+    assert a.ppl == b.ppl and a.nll == b.nll
+    layers = list(model.layer_names)
+    assert reads == [{p.split("/", 1)[0] for p in flat} - set(layers), *({name} for name in layers)]
+    with pytest.raises(InputError, match="by_block"):
+        perplexity(model, streamed, win)

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure on this text (same windows; calibration unchanged): 'news' = gensim's Lee news corpus")
     p.add_argument("--by-block", action="store_true",
                    help="evaluate one decoder block at a time (a quantized model holds one block's float weights, "
-                        "not all of them; one process, one device)")
+                        "not all of them; an HF quantized --checkpoint is read one block at a time; one process, "
+                        "one device)")
     add_qat_args(p)
     _add_overwrite(p, "the --json file")
     _add_debug(p)
@@ -377,7 +378,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     own = hf_quantized and args.model is None  # the checkpoint is the model
     setup = prepare(args.checkpoint if own else args.model, args.text, ctx=args.eval_len, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if calibrated else 0,
-                    calib_ctx=args.calib_len, seed=args.seed, also_eval=args.also_eval, encoding=args.encoding)
+                    calib_ctx=args.calib_len, seed=args.seed, also_eval=args.also_eval, encoding=args.encoding,
+                    stream=own and args.by_block)  # block at a time: one block of the checkpoint read at a time
     _check_same_job(setup, [recipe])
     qparams = None
     if hf_quantized:

@@ -36,21 +36,25 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.numerics import codes, pack
+from eqjax.core.numerics import codes
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
 from eqjax.io.hf import (
     HFTensor,
+    StreamedParams,
+    Taker,
     assemble_params,
     cast_float,
     float_tensors,
     hf_config_dict,
     read_checkpoint,
+    stream_params,
     untied,
 )
 from eqjax.io.hf_quantized import (
     TOKENIZER_FILES,
     WEIGHT_BITS,
     FormatError,
+    pack_codes,
     pack_int32,
     recipe_refusal,
     save_streamed,
@@ -323,8 +327,9 @@ def _read_args(args: Any, where: str, *, act: bool = False) -> dict[str, Any]:
 
 
 def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path],
-            fmt: str) -> tuple[list[Any], set[str]]:
-    """The tree parts of one quantized HF linear (``[in, out]`` QArrays, split along out for fused tensors)."""
+            fmt: str, decode: bool = True) -> tuple[list[Any], set[str]]:
+    """The tree parts of one quantized HF linear (``[in, out]`` QArrays, split along out for fused tensors) and
+    the stored names they use; ``decode=False`` checks the stored tensors' dtypes and shapes, gives None parts."""
     stem = _module(t.name)
     where = f"{origin.get(stem + '.weight_scale', '?')}: {stem}"
     w = _read_args(scheme.get("weights"), f"{where} (weights)")
@@ -343,7 +348,7 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         used.add(f"{stem}.weight")
         if raw.dtype != np.int8 or raw.shape != (n_out, n_in):
             raise FormatError(f"{where}.weight: expected int8 {(n_out, n_in)}, found {raw.dtype} {raw.shape}")
-        u = (raw.astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8)
+        unpacked = lambda: (raw.astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8)  # noqa: E731
     else:
         packed = need("weight_packed")
         used |= {f"{stem}.weight_packed", f"{stem}.weight_shape"}
@@ -353,15 +358,13 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         shape = tuple(int(x) for x in np.asarray(need("weight_shape")).reshape(-1))
         if shape != (n_out, n_in):
             raise FormatError(f"{where}.weight_shape: {shape}, config.json implies {(n_out, n_in)}")
-        u = unpack_int32(packed, bits, n_in)
-    scale = np.asarray(need("weight_scale")).astype(np.float32)
+        unpacked = lambda: unpack_int32(packed, bits, n_in)  # noqa: E731
+    stored_scale = need("weight_scale")
     groups = {"group": -(-n_in // int(w.get("group_size") or 1)), "channel": 1, "tensor": 1}.get(strategy)
     if groups is None:
         raise FormatError(f"{where}: weight strategy {strategy!r}; eqjax reads group, channel and tensor scales")
-    if strategy == "tensor":
-        scale = np.broadcast_to(scale.reshape(-1)[:1], (n_out, 1))
-    if scale.shape != (n_out, groups):
-        raise FormatError(f"{where}.weight_scale: expected shape {(n_out, groups)}, found {scale.shape}")
+    if strategy != "tensor" and tuple(stored_scale.shape) != (n_out, groups):
+        raise FormatError(f"{where}.weight_scale: expected shape {(n_out, groups)}, found {tuple(stored_scale.shape)}")
     g_idx = tensors.get(f"{stem}.weight_g_idx")
     if g_idx is not None:
         used.add(f"{stem}.weight_g_idx")
@@ -372,6 +375,18 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
     if not sym:
         zraw = need("weight_zero_point")
         used.add(f"{stem}.weight_zero_point")
+    a = None if a is None else _read_args(a, f"{where} (input_activations)", act=True)
+    static = a is not None and not a.get("dynamic", True)
+    if static:
+        used.add(f"{stem}.input_scale")
+        need("input_scale")
+    if not decode:
+        return [None] * len(t.paths), used
+    u = unpacked()
+    scale = np.asarray(stored_scale).astype(np.float32)
+    if strategy == "tensor":
+        scale = np.broadcast_to(scale.reshape(-1)[:1], (n_out, 1))
+    if not sym:
         if fmt == "pack-quantized" and zraw.dtype == np.int32:
             zp = unpack_int32(np.ascontiguousarray(zraw.T), bits, n_out).T
         else:
@@ -384,16 +399,11 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
             "tensor": per_tensor()}[strategy]
     act_kw = None
     if a is not None:
-        a = _read_args(a, f"{where} (input_activations)", act=True)
-        static = not a.get("dynamic", True)
-        act_scale = None
-        if static:
-            used.add(f"{stem}.input_scale")
-            act_scale = jnp.asarray(np.asarray(need("input_scale"), np.float32).reshape(()))
+        act_scale = jnp.asarray(np.asarray(need("input_scale"), np.float32).reshape(())) if static else None
         act_kw = {"act_scale": act_scale, "act_bits": 8, "act_granularity": "tensor" if static else "token"}
-    ends = np.cumsum([s[-1] for s in t.shapes])[:-1]
+    bounds = np.cumsum([0] + [s[-1] for s in t.shapes]).tolist()
     parts = []
-    for i, (path, rows) in enumerate(zip(t.paths, np.split(np.arange(n_out), ends))):
+    for path, rows in zip(t.paths, (slice(a, b) for a, b in zip(bounds, bounds[1:]))):  # slices: views, not copies
         q = _qarray(u[rows].T, scale[rows].T, None if zp is None else zp[rows].T, bits, gran,
                     f"{'/'.join(path)} ({where})", tensor=strategy == "tensor")
         parts.append(q if act_kw is None else ActQuantKernel(q, **act_kw))
@@ -408,7 +418,7 @@ def _qarray(u: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, bits: int, 
         zp = None if zp is None else zp[:1, :1]
     offset = 2 ** (bits - 1)
     if bits <= 4:
-        values = np.asarray(pack(jnp.asarray(u), bits, 0))
+        values = pack_codes(u, bits)
         sym = zp is None
     elif zp is None and u.min(initial=offset) > 0:  # symmetric int8 values in [-127, 127]
         values, sym = (u.astype(np.int32) - offset).astype(np.int8), True
@@ -423,15 +433,10 @@ def _qarray(u: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, bits: int, 
         raise FormatError(f"{where}: {e}") from None
 
 
-def load_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
-    """``(Model, params)`` of a compressed-tensors directory: its quantized linears as QArrays (W8A8 as
-    ActQuantKernels) built from the stored integers, the rest float (``dtype``).
-
-    Raises :class:`FormatError` / :class:`~eqjax.io.hf.CheckpointError` naming the file and tensor for a
-    scheme eqjax cannot hold (float8, 2/3-bit, activation-ordered groups, sparsity) or a malformed tensor.
-    """
+def _open(directory: str | os.PathLike[str], lazy: bool) -> tuple[Any, Any, dict[str, Path], Path, Taker]:
+    """``(config, tensors, origin, root, take)`` of a compressed-tensors directory, its quantization_config checked."""
     root = Path(directory)
-    config, raw, tensors, origin = read_checkpoint(root)
+    config, raw, tensors, origin = read_checkpoint(root, lazy=lazy)
     qc = raw.get("quantization_config")
     where = f"{root / 'config.json'}: quantization_config"
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
@@ -448,7 +453,7 @@ def load_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = j
     known = ("pack-quantized", "int-quantized", "naive-quantized", "mixed-precision")
     ignore = list(qc.get("ignore") or [])
 
-    def take(t: HFTensor) -> tuple[list[Any], set[str]] | None:
+    def take(t: HFTensor, decode: bool) -> tuple[list[Any], set[str]] | None:
         if not (t.transposed and len(t.hf_shape) == 2 and t.name.endswith(".weight")):
             return None
         scheme = _scheme_for(_module(t.name), groups, ignore)
@@ -457,6 +462,26 @@ def load_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = j
         fmt = scheme.get("format") or fmt_default
         if fmt not in known or fmt == "mixed-precision":
             raise FormatError(f"{where}: format {fmt!r} for {_module(t.name)}; eqjax reads pack-quantized and int-quantized")
-        return _decode(t, scheme, tensors, origin, fmt)
+        return _decode(t, scheme, tensors, origin, fmt, decode)
 
+    return config, tensors, origin, root, take
+
+
+def load_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
+    """``(Model, params)`` of a compressed-tensors directory: its quantized linears as QArrays (W8A8 as
+    ActQuantKernels) built from the stored integers, the rest float (``dtype``).
+
+    Raises :class:`FormatError` / :class:`~eqjax.io.hf.CheckpointError` naming the file and tensor for a
+    scheme eqjax cannot hold (float8, 2/3-bit, activation-ordered groups, sparsity) or a malformed tensor.
+    """
+    config, tensors, origin, root, take = _open(directory, lazy=False)
     return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)
+
+
+def stream_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32
+                              ) -> tuple[Model, StreamedParams]:
+    """``(Model, StreamedParams)`` of a compressed-tensors directory read on demand (as
+    :func:`load_compressed_tensors`, one part at a time: :func:`eqjax.io.hf.stream_params`); every stored
+    tensor's dtype and shape is checked before this returns, the codes when a part is read."""
+    config, tensors, origin, root, take = _open(directory, lazy=True)
+    return Model(config), stream_params(config, tensors, origin, root, dtype=dtype, take=take)

@@ -26,10 +26,29 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.numerics import codes, pack
+from eqjax.core.numerics import codes
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_group, validate
-from eqjax.io.hf import HFTensor, assemble_params, cast_float, float_tensors, hf_config_dict, read_checkpoint, untied
-from eqjax.io.hf_quantized import FormatError, pack_int32, recipe_refusal, save_streamed, unpack_int32, write_directory
+from eqjax.io.hf import (
+    HFTensor,
+    StreamedParams,
+    Taker,
+    assemble_params,
+    cast_float,
+    float_tensors,
+    hf_config_dict,
+    read_checkpoint,
+    stream_params,
+    untied,
+)
+from eqjax.io.hf_quantized import (
+    FormatError,
+    pack_codes,
+    pack_int32,
+    recipe_refusal,
+    save_streamed,
+    unpack_int32,
+    write_directory,
+)
 from eqjax.models import Model
 
 __all__ = ["GPTQ_FORMAT", "check_recipe", "is_gptq", "load_gptq", "save_gptq", "save_gptq_streamed"]
@@ -175,8 +194,10 @@ def is_gptq(directory: str | os.PathLike[str]) -> bool:
     return isinstance(qc, dict) and qc.get("quant_method") == GPTQ_FORMAT
 
 
-def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path]
-            ) -> tuple[list[Any], set[str]]:
+def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path],
+            decode: bool = True) -> tuple[list[Any], set[str]]:
+    """The ``[in, out]`` QArrays of one GPTQ linear (split along out for fused tensors) and the stored names
+    they use; ``decode=False`` checks every stored tensor's dtype and shape and returns None parts."""
     stem = t.name[: -len(".weight")]
     where = f"{origin.get(stem + '.qweight', '?')}: {stem}"
     bits, size = int(qc["bits"]), int(qc["group_size"])
@@ -194,14 +215,19 @@ def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray
         return a
 
     per = 32 // bits
-    u = unpack_int32(np.ascontiguousarray(need("qweight", np.int32, (-(-n_in // per), n_out)).T), bits, n_in).T  # [in, out]
-    zs = unpack_int32(need("qzeros", np.int32, (groups, -(-n_out // per))), bits, n_out)
-    scale = np.asarray(tensors.get(f"{stem}.scales", np.zeros(0))).astype(np.float32)
-    if scale.shape != (groups, n_out):
-        raise FormatError(f"{where}.scales: expected shape {(groups, n_out)}, found {scale.shape}")
+    qweight = need("qweight", np.int32, (-(-n_in // per), n_out))
+    qzeros = need("qzeros", np.int32, (groups, -(-n_out // per)))
+    stored_scale = tensors.get(f"{stem}.scales", np.zeros(0))
+    if tuple(stored_scale.shape) != (groups, n_out):
+        raise FormatError(f"{where}.scales: expected shape {(groups, n_out)}, found {tuple(stored_scale.shape)}")
     if f"{stem}.g_idx" in tensors and not np.array_equal(tensors[f"{stem}.g_idx"], np.arange(n_in) // size):
         raise FormatError(f"{where}.g_idx: activation-ordered groups (desc_act); eqjax's group layout holds "
                           "contiguous groups only")
+    if not decode:
+        return [None] * len(t.paths), names & set(tensors)
+    u = unpack_int32(np.ascontiguousarray(qweight.T), bits, n_in).T  # [in, out]
+    zs = unpack_int32(qzeros, bits, n_out)
+    scale = np.asarray(stored_scale).astype(np.float32)
     zp = zs.astype(np.int32) + (1 if qc.get("checkpoint_format", "gptq") == "gptq" else 0)
     if zp.max(initial=0) > 2**bits - 1:
         raise FormatError(f"{where}.qzeros: a zero point of {2**bits} (a v1 checkpoint's wrapped zero of 0), outside "
@@ -212,7 +238,7 @@ def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray
     parts, ends = [], np.cumsum([s[-1] for s in t.shapes])[:-1]
     for path, cols in zip(t.paths, np.split(np.arange(n_out), ends)):
         uu, ss, zz = u[:, cols], scale[:, cols], zp[:, cols].astype(np.uint8)
-        values = np.asarray(pack(jnp.asarray(uu), bits, 0)) if bits <= 4 else uu
+        values = pack_codes(uu, bits) if bits <= 4 else uu
         q = QArray(jnp.asarray(values), jnp.asarray(ss), None if sym else jnp.asarray(zz), bits, sym, gran, uu.shape)
         try:
             parts.append(validate(q, name=f"{'/'.join(path)} ({where})"))
@@ -227,21 +253,20 @@ def _positive_scales(u: np.ndarray, zp: np.ndarray, scale: np.ndarray, size: int
     rounding) store negative scales: ``(q - z) s == ((m - q) - (m - z)) (-s)`` with ``m = 2**bits - 1`` flips
     the codes of such a group exactly; a zero scale (an all-zero group) becomes 1 with every code on its zero."""
     m = 2**bits - 1
+    neg, zero = scale < 0, scale == 0
+    if not (neg.any() or zero.any()):  # the usual case: no full-size temporaries
+        return u.astype(np.uint8, copy=False), zp, scale.astype(np.float32, copy=False)
     rows = np.arange(u.shape[0]) // size
-    neg = scale < 0
     u = np.where(neg[rows], m - u.astype(np.int32), u).astype(np.int32)
     zp = np.where(neg, m - zp, zp)
-    zero = scale == 0
     u = np.where(zero[rows], zp[rows], u)
     return u.astype(np.uint8), zp, np.where(zero, 1.0, np.abs(scale)).astype(np.float32)
 
 
-def load_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
-    """``(Model, params)`` of a GPTQ directory: its quantized linears as QArrays from the stored integers, the
-    rest float (``dtype``). Raises :class:`FormatError` naming the file and tensor for what eqjax cannot hold
-    (2/3-bit, activation-ordered groups, a malformed tensor)."""
+def _open(directory: str | os.PathLike[str], lazy: bool) -> tuple[Any, Any, dict[str, Path], Path, Taker]:
+    """``(config, tensors, origin, root, take)`` of a GPTQ directory, its quantization_config checked."""
     root = Path(directory)
-    config, raw, tensors, origin = read_checkpoint(root)
+    config, raw, tensors, origin = read_checkpoint(root, lazy=lazy)
     qc = raw.get("quantization_config") or {}
     where = f"{root / 'config.json'}: quantization_config"
     if qc.get("bits") not in BITS:
@@ -251,11 +276,26 @@ def load_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) ->
     if not isinstance(qc.get("group_size"), int):
         raise FormatError(f"{where}: expected an integer group_size, found {qc.get('group_size')!r}")
 
-    def take(t: HFTensor) -> tuple[list[Any], set[str]] | None:
+    def take(t: HFTensor, decode: bool) -> tuple[list[Any], set[str]] | None:
         stem = t.name[: -len(".weight")]
         if not t.name.endswith(".weight") or f"{stem}.qweight" not in tensors:
             return None
-        return _decode(t, qc, tensors, origin)
+        return _decode(t, qc, tensors, origin, decode)
 
+    return config, tensors, origin, root, take
+
+
+def load_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
+    """``(Model, params)`` of a GPTQ directory: its quantized linears as QArrays from the stored integers, the
+    rest float (``dtype``). Raises :class:`FormatError` naming the file and tensor for what eqjax cannot hold
+    (2/3-bit, activation-ordered groups, a malformed tensor)."""
+    config, tensors, origin, root, take = _open(directory, lazy=False)
     return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)
 
+
+def stream_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, StreamedParams]:
+    """``(Model, StreamedParams)`` of a GPTQ directory read on demand (as :func:`load_gptq`, one part at a
+    time: :func:`eqjax.io.hf.stream_params`); every stored tensor's dtype and shape is checked before this
+    returns, the codes when a part is read."""
+    config, tensors, origin, root, take = _open(directory, lazy=True)
+    return Model(config), stream_params(config, tensors, origin, root, dtype=dtype, take=take)

@@ -266,9 +266,10 @@ def read_checkpoint(directory: str | os.PathLike[str], *, lazy: bool = False
     return config, raw, (LazyTensors(tensors) if lazy else tensors), origin
 
 
-Taker = Callable[["HFTensor"], "tuple[list[Any], set[str]] | None"]
+Taker = Callable[["HFTensor", bool], "tuple[list[Any], set[str]] | None"]
 """Decodes one HF tensor itself: ``(the tree params it holds, in the tensor's part order; the stored names
-it consumed)``, or None to read it as a float tensor."""
+it consumed)``, or None to read it as a float tensor. With its second argument False it only checks the
+stored tensors (names, dtypes, shapes) and gives None parts."""
 
 
 def assemble_params(config: ModelConfig, tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path], root: Path,
@@ -276,11 +277,11 @@ def assemble_params(config: ModelConfig, tensors: Mapping[str, np.ndarray], orig
                     only: Callable[["HFTensor"], bool] | None = None) -> dict[str, Any]:
     """The param tree of ``config`` from HF ``tensors`` (float, transposed and split as the layout says);
     ``take`` decodes the tensors it recognises itself (quantized formats). Every tensor must be used.
-    ``only``: read just the float tensors it accepts (every tensor is still checked against the config)."""
+    ``only``: read (or decode) just the tensors it accepts; every tensor is still checked against the config."""
     params: dict[str, Any] = {}
     used: set[str] = set()
     for t in hf_layout(config):
-        taken = take(t) if take is not None else None
+        taken = take(t, only is None or only(t)) if take is not None else None
         if taken is not None:
             parts, names = taken
             used |= names
@@ -307,7 +308,9 @@ def assemble_params(config: ModelConfig, tensors: Mapping[str, np.ndarray], orig
             value = value.astype(np.float32) + np.float32(t.offset)
         ends = np.cumsum([s[-1] for s in t.shapes])[:-1]
         for path, part in zip(t.paths, np.split(value, ends, axis=-1)):
-            _set(params, path, jnp.asarray(part) if dtype is None else jnp.asarray(part.astype(np.float32), dtype=dtype))
+            x = jnp.asarray(part)  # converted by XLA: no float32 numpy copy beside the stored and the final arrays
+            _set(params, path, x if dtype is None else x.astype(dtype))
+        arr = value = part = x = None  # a memory-mapped tensor's pages go now, not at the next float tensor
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
     leftover = sorted(n for n in tensors if n not in used and n != tied_head and not n.endswith(_IGNORED_SUFFIXES))
     if leftover:
@@ -362,18 +365,25 @@ def stream_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.
     root = Path(directory)
     config, raw, tensors, origin = read_checkpoint(root, lazy=True)
     _refuse_quantized(root, raw)
-    assemble_params(config, tensors, origin, root, only=lambda t: False)  # checks every tensor, reads none
-    layout = hf_layout(config)
-    paths = ["/".join(p) for t in layout for p in t.paths]
+    return Model(config), stream_params(config, tensors, origin, root, dtype=dtype)
+
+
+def stream_params(config: ModelConfig, tensors: Any, origin: Mapping[str, Path], root: Path, *, dtype: Any = jnp.float32,
+                  take: Taker | None = None) -> StreamedParams:
+    """:func:`assemble_params` on demand over memory-mapped ``tensors`` (``read_checkpoint(lazy=True)``):
+    every tensor is checked now, none read; ``load(paths)`` reads (``take``: decodes) just the tensors
+    holding those paths."""
+    assemble_params(config, tensors, origin, root, take=take, only=lambda t: False)  # checks every tensor, reads none
+    paths = ["/".join(p) for t in hf_layout(config) for p in t.paths]
 
     def load(wanted: Any) -> dict[str, Any]:
         want = set(wanted)
-        tree = assemble_params(config, tensors, origin, root, dtype=dtype,
+        tree = assemble_params(config, tensors, origin, root, dtype=dtype, take=take,
                                only=lambda t: any("/".join(p) in want for p in t.paths))
         return {p: _get(tree, tuple(p.split("/"))) for p in wanted}
 
     nbytes = sum(int(np.prod(tensors.shape(n), dtype=np.int64)) * tensors.entries[n][1].itemsize for n in tensors)
-    return Model(config), StreamedParams(tuple(paths), load, nbytes)
+    return StreamedParams(tuple(paths), load, nbytes)
 
 
 # ---------------------------------------------------------------------------------------------- saving

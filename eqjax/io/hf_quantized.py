@@ -10,9 +10,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eqjax.core.errors import CompatibilityError
+from eqjax.core.numerics import pack
 from eqjax.core.pytree import nest_paths
 from eqjax.io.atomic import atomic_directory
 from eqjax.io.hf import INDEX_FILE, float_tensors, write_safetensors
@@ -208,21 +211,33 @@ def copy_tokenizer(target: Path, copy_from: str | os.PathLike[str] | None,
 
 
 def pack_int32(u: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned codes ``[rows, n]`` -> int32 words ``[rows, ceil(n * bits / 32)]``, first code lowest."""
+    """Unsigned codes ``[rows, n]`` -> int32 words ``[rows, ceil(n * bits / 32)]``, first code lowest; one
+    field at a time (temporaries of the words' size, not a uint32 copy of every code)."""
     per = 32 // bits
     rows, n = u.shape
-    padded = np.zeros((rows, -(-n // per) * per), np.uint32)
-    padded[:, :n] = u
-    g = padded.reshape(rows, -1, per)
-    words = np.zeros(g.shape[:2], np.uint32)
-    for j in range(per):
-        words |= g[:, :, j] << np.uint32(bits * j)
+    words = np.zeros((rows, -(-n // per)), np.uint32)
+    for j in range(min(per, n)):
+        field = u[:, j::per]  # the j-th code of every word (the last words may lack it)
+        words[:, :field.shape[1]] |= field.astype(np.uint32) << np.uint32(bits * j)
     return words.view(np.int32)
 
 
 def unpack_int32(words: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """Inverse of :func:`pack_int32`: unsigned codes ``[rows, n]`` (uint8)."""
+    """Inverse of :func:`pack_int32`: unsigned codes ``[rows, n]`` (uint8), written field by field into the
+    result (one ``[rows, words]`` uint32 temporary at a time: an LM head's 128k rows would otherwise need
+    eight, and their uint32 stack)."""
     per = 32 // bits
     w = words.view(np.uint32)
-    out = np.stack([(w >> np.uint32(bits * j)) & np.uint32(2**bits - 1) for j in range(per)], axis=-1)
-    return out.reshape(w.shape[0], -1)[:, :n].astype(np.uint8)
+    out = np.empty((w.shape[0], w.shape[1] * per), np.uint8)
+    for j in range(per):
+        out[:, j::per] = (w >> np.uint32(bits * j)) & np.uint32(2**bits - 1)
+    return out[:, :n]
+
+
+def pack_codes(u: np.ndarray, bits: int) -> jax.Array:
+    """eqjax's packed form (:func:`eqjax.core.numerics.pack` along axis 0) of unsigned ``bits``-bit codes
+    ``u [in, out]``, computed as one compiled program (eagerly, each step would hold a uint32 copy of ``u``)."""
+    return _pack_axis0(jnp.asarray(u), bits)
+
+
+_pack_axis0 = jax.jit(lambda c, bits: pack(c, bits, 0), static_argnums=1)

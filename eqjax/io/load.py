@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 from eqjax.core.validate import check_params
-from eqjax.io.compressed_tensors import is_compressed_tensors, load_compressed_tensors
+from eqjax.io.compressed_tensors import is_compressed_tensors, load_compressed_tensors, stream_compressed_tensors
 from eqjax.io.gguf import default_model_path, load_gguf
-from eqjax.io.gptq import is_gptq, load_gptq
+from eqjax.io.gptq import is_gptq, load_gptq, stream_gptq
 from eqjax.io.hf import CheckpointError, StreamedParams, load_hf_checkpoint, stream_hf_checkpoint
 from eqjax.models import Model
 
@@ -59,19 +59,27 @@ _HFTokenizer = HFTokenizer  # the former private name
 
 
 def stream_model(path: str | os.PathLike[str] | None) -> tuple[Any, StreamedParams, Any]:
-    """``(Model, StreamedParams, tokenizer)`` of an HF float safetensors directory read on demand
-    (:func:`eqjax.io.hf.stream_hf_checkpoint`): for models larger than memory. Anything else is refused
-    naming the path (a GGUF file or a quantized directory loads whole with :func:`load_model`)."""
+    """``(Model, StreamedParams, tokenizer)`` of an HF safetensors directory read on demand
+    (:func:`eqjax.io.hf.stream_hf_checkpoint`; a compressed-tensors or GPTQ directory's quantized linears
+    as QArrays): for models larger than memory. A GGUF file is refused naming the path (it loads whole
+    with :func:`load_model`)."""
     p = pathlib.Path(path) if path is not None else None
     if p is None or not p.is_dir():
         what = "the default model (a GGUF file)" if p is None else f"{p}"
         raise CheckpointError(f"cannot stream {what}: expected an HF safetensors directory (--model DIR); a GGUF "
                               "file is read whole")
-    if is_compressed_tensors(p) or is_gptq(p):
-        raise CheckpointError(f"cannot stream {p}: a quantized checkpoint; streaming reads float weights")
-    model, streamed = stream_hf_checkpoint(p)
+    model, streamed = _reader(p)[1](p)
     tj = p / "tokenizer.json"
     return model, streamed, HFTokenizer(tj) if tj.is_file() else None
+
+
+def _reader(directory: pathlib.Path) -> tuple[Callable[[Any], tuple[Any, Any]], Callable[[Any], tuple[Any, Any]]]:
+    """``(load whole, read on demand)`` of an HF directory's format: compressed-tensors, GPTQ or float."""
+    if is_compressed_tensors(directory):
+        return load_compressed_tensors, stream_compressed_tensors
+    if is_gptq(directory):
+        return load_gptq, stream_gptq
+    return load_hf_checkpoint, stream_hf_checkpoint
 
 
 def load_model(path: str | os.PathLike[str] | None = None, *, check: bool = True) -> tuple[Any, dict[str, Any], Any]:
@@ -96,12 +104,7 @@ def load_model(path: str | os.PathLike[str] | None = None, *, check: bool = True
             raise CheckpointError(f"model not found ({p}): expected a .gguf file or a checkpoint directory, found nothing")
         if not p.is_dir():
             raise CheckpointError(f"unknown model format ({p}): expected a .gguf file or a checkpoint directory, found a file")
-        if is_compressed_tensors(p):
-            model, params = load_compressed_tensors(p)
-        elif is_gptq(p):
-            model, params = load_gptq(p)
-        else:
-            model, params = load_hf_checkpoint(p)
+        model, params = _reader(p)[0](p)
         tj = p / "tokenizer.json"
         tok = HFTokenizer(tj) if tj.is_file() else None
         source = os.fspath(p)

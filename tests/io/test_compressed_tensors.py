@@ -30,6 +30,7 @@ from eqjax.io.compressed_tensors import (  # noqa: E402
     check_recipe,
     load_compressed_tensors,
     save_compressed_tensors,
+    stream_compressed_tensors,
 )
 from eqjax.io.hf import load_hf_checkpoint  # noqa: E402
 from eqjax.io.hf_quantized import pack_int32, unpack_int32  # noqa: E402
@@ -71,6 +72,14 @@ def quantized(fp_dir):
     return out
 
 
+def _same_leaves(a, b) -> None:
+    """The same tree of the same QArrays (fields bit for bit) and float arrays."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def _dequantized(tree):
     return jax.tree.map(lambda x: np.asarray(dequantize_leaf(x, jnp.float32)), tree, is_leaf=_is_q)
 
@@ -97,6 +106,19 @@ def test_round_trip_keeps_every_weight(quantized, name: str) -> None:
     if name.startswith("w4"):  # 160 inputs in groups of 128 + 32, written as groups of 32 (the same values)
         assert info["schemes"]["model.layers.0.self_attn.q_proj"]["weights"]["group_size"] == 32
         assert "model.layers.0.self_attn.q_proj" in info["regrouped"]
+
+
+@pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])
+def test_streamed_reading_gives_the_whole_reading(quantized, name: str) -> None:
+    from eqjax.core.pytree import nest_paths
+
+    _, _, d, _ = quantized[name]
+    model, whole = load_compressed_tensors(d)
+    model2, streamed = stream_compressed_tensors(d)
+    assert model2.config == model.config
+    _same_leaves(nest_paths(streamed.load(streamed.paths)), whole)
+    part = streamed.load([p for p in streamed.paths if p.startswith("layers_1/")])
+    _same_leaves(nest_paths(part), {"layers_1": whole["layers_1"]})
 
 
 @pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])
@@ -205,12 +227,21 @@ def test_activation_ordered_groups_are_refused(quantized, tmp_path) -> None:
     tensors["model.layers.0.mlp.up_proj.weight_g_idx"] = np.random.default_rng(0).permutation(160).astype(np.int32) // 32
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_text((d / "config.json").read_text())
-    with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_g_idx: activation-ordered groups"):
-        load_compressed_tensors(bad)
-    del tensors["model.layers.0.mlp.up_proj.weight_g_idx"], tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    for read in (load_compressed_tensors, stream_compressed_tensors):  # streamed: refused before any part is read
+        with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_g_idx: activation-ordered groups"):
+            read(bad)
+    scale = tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    tensors["model.layers.1.mlp.up_proj.weight_scale"] = scale[:, :-1].copy()
+    del tensors["model.layers.0.mlp.up_proj.weight_g_idx"]
     save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(FormatError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight_scale is missing"):
-        load_compressed_tensors(bad)
+    for read in (load_compressed_tensors, stream_compressed_tensors):
+        with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale: expected shape"):
+            read(bad)
+    del tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(tensors, bad / "model.safetensors")
+    for read in (load_compressed_tensors, stream_compressed_tensors):
+        with pytest.raises(FormatError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight_scale is missing"):
+            read(bad)
 
 
 def test_cli_quantize_to_compressed_tensors_then_eval(fp_dir, tmp_path, capsys) -> None:
@@ -237,6 +268,12 @@ def test_cli_quantize_to_compressed_tensors_then_eval(fp_dir, tmp_path, capsys) 
         rows.append(json.loads(json_out.read_text())["ppl"])
     assert rows[0] == rows[1]
     assert abs(rows[0] / rows[2] - 1) <= 1e-5  # the same weights; float32 accumulation order
+    # block at a time, the checkpoint read one block at a time: the same model, size and bits
+    assert main(["eval", "--checkpoint", str(out), "--by-block", *common, "--json", str(tmp_path / "b.json")]) == 0
+    whole, by_block = (json.loads((tmp_path / f).read_text()) for f in ("r0.json", "b.json"))
+    assert abs(by_block["ppl"] / whole["ppl"] - 1) <= 1e-5
+    for k in ("size_bytes", "w_bits", "a_bits", "eval_tokens"):
+        assert by_block[k] == whole[k], k
     assert main(["quantize", "--model", str(src), "--recipe", "kv8", "--out", str(tmp_path / "x"),
                  "--format", "compressed-tensors"]) == 2
     assert "cannot be written as compressed-tensors" in capsys.readouterr().err

@@ -19,7 +19,7 @@ pytest.importorskip("auto_round")
 
 from eqjax.core.numerics import dequantize_leaf  # noqa: E402
 from eqjax.core.qarray import QArray  # noqa: E402
-from eqjax.io.gptq import FormatError, check_recipe, load_gptq, save_gptq  # noqa: E402
+from eqjax.io.gptq import FormatError, check_recipe, load_gptq, save_gptq, stream_gptq  # noqa: E402
 from eqjax.io.hf import load_hf_checkpoint  # noqa: E402
 from eqjax.io.load import load_model  # noqa: E402
 from eqjax.recipes.apply import quantize  # noqa: E402
@@ -141,8 +141,29 @@ def test_activation_ordered_groups_are_refused(written, tmp_path) -> None:
     bad.mkdir()
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_text((d / "config.json").read_text())
-    with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.g_idx: activation-ordered groups"):
-        load_gptq(bad)
+    for read in (load_gptq, stream_gptq):  # streamed: refused before any part is read
+        with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.g_idx: activation-ordered groups"):
+            read(bad)
+    del tensors["model.layers.0.mlp.up_proj.g_idx"]
+    tensors["model.layers.1.self_attn.o_proj.scales"] = tensors["model.layers.1.self_attn.o_proj.scales"][:, :-1].copy()
+    save_file(tensors, bad / "model.safetensors")
+    for read in (load_gptq, stream_gptq):
+        with pytest.raises(FormatError, match=r"model\.layers\.1\.self_attn\.o_proj\.scales: expected shape"):
+            read(bad)
+
+
+@pytest.mark.parametrize("name", ["w4g128-rtn-sym", "w4g128-rtn"])
+def test_streamed_reading_gives_the_whole_reading(written, name: str) -> None:
+    from eqjax.core.pytree import nest_paths
+
+    _, _, d, _ = written[name]
+    _, whole = load_gptq(d)
+    _, streamed = stream_gptq(d)
+    got = nest_paths(streamed.load(streamed.paths))
+    assert jax.tree.structure(got) == jax.tree.structure(whole)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(whole)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_cli_quantize_to_gptq_then_eval(fp_dir, tmp_path) -> None:

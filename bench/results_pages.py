@@ -872,22 +872,25 @@ def page_memory() -> str:
 
 def page_scale() -> str:
     body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
-            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n```\n",
+            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n"
+            "python bench/scale.py --shapes 135m,1b,3b,8b --recipes w4g128-rtn,w8a8-smoothquant --eval --by-block "
+            "--out-name scale_methods\n```\n",
             "`eqjax quantize --stream` (weights read on demand, one decoder block quantized and written at a time, "
             "compressed-tensors out), one process per row. **The 1B / 3B / 8B rows are random-weight checkpoints of "
             "the Llama-3.2-1B / 3B and Llama-3-8B shapes (`bench/random_checkpoint.py`): time and memory only.** "
             "'vs smallest': seconds per billion parameters over the smallest model's for the same recipe (1.0 = "
-            "linear growth). 'activations': the calibration streams the run keeps.\n"]
-    base: dict[str, float] = {}
+            "linear growth, within one table: each table is one run). 'activations': the calibration streams the run "
+            "keeps.\n"]
 
     def ev(r: dict, k: str) -> list[str]:
         if f"{k}eval_s" in r:
             return [f1(r[f"{k}eval_s"]), f2(r[f"{k}eval_peak_rss_gib"])]
         return [f"failed: {r[f'{k}eval_error']}" if f"{k}eval_error" in r else "-", "-"]
 
-    for name in ("scale.json", "scale_8b.json"):
+    for name in ("scale.json", "scale_methods.json"):
         if not exists(name):
             continue
+        base: dict[str, float] = {}
         d = load(name)
         m = d["meta"]
         by_block = bool(m.get("eval_by_block"))

@@ -13,6 +13,9 @@ _CHILD = textwrap.dedent("""
     from eqjax.cli.interrupts import interrupts_stop_the_command
 
     signum = getattr(signal, sys.argv[1])
+    # Python's own Ctrl-C handler, as in a terminal (a test runner's worker may have started this process
+    # with SIGINT ignored, and then Python installs none)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     where = sys.argv[2]
     guard = interrupts_stop_the_command() if sys.argv[3] == "guarded" else contextlib.nullcontext()
     sent = []

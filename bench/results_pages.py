@@ -870,9 +870,23 @@ def page_memory() -> str:
     return "\n".join(body)
 
 
+SCALE_TABLES = (
+    ("scale_8b.json", "the 8B shape as eqjax quantizes it now: no unit's arrays outlive it, the heap's free pages "
+                      "handed back between units, GPTQ's Hessian factored from one float64 copy, and no full-size "
+                      "temporaries when codes are unpacked, checked or written. Other work shared the 2 CPUs for much of "
+                      "the run: its time is an upper bound."),
+    ("scale.json", "measured before those changes: its 8B GPTQ peak (the LM head's copies) and evaluation figures "
+                   "are superseded by the table above; its 135M and 1B rows are the growth baseline."),
+    ("scale_methods.json", "measured before those changes (and before block-at-a-time reading for its first "
+                           "rows' evaluation): the 3B shape and the trend from 135M to 8B."),
+)
+"""The scale tables, newest first, each with what it measured."""
+
+
 def page_scale() -> str:
     body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
-            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n"
+            "```bash\npython bench/scale.py --shapes 8b --recipes w4g128-gptq --eval --by-block --out-name scale_8b\n"
+            "python bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n"
             "python bench/scale.py --shapes 135m,1b,3b,8b --recipes w4g128-rtn,w8a8-smoothquant --eval --by-block "
             "--out-name scale_methods\n```\n",
             "`eqjax quantize --stream` (weights read on demand, one decoder block quantized and written at a time, "
@@ -887,9 +901,10 @@ def page_scale() -> str:
             return [f1(r[f"{k}eval_s"]), f2(r[f"{k}eval_peak_rss_gib"])]
         return [f"failed: {r[f'{k}eval_error']}" if f"{k}eval_error" in r else "-", "-"]
 
-    for name in ("scale.json", "scale_methods.json"):
+    for name, what in SCALE_TABLES:
         if not exists(name):
             continue
+        body.append(f"**`{name}`**: {what}\n")
         base: dict[str, float] = {}
         d = load(name)
         m = d["meta"]

@@ -162,7 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="eqjax-scale-")
     work = pathlib.Path(args.work or tmp.name)
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    meta = {"when": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
+            "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "calib_windows": args.calib_windows, "calib_len": args.calib_len, "eval": args.eval,
+            "eval_by_block": args.eval and args.by_block,
+            "note": "1B/3B/8B rows: random weights, time and memory only"}
+    results = ROOT / "bench" / "results"
+    rows: list[dict] = []
     for shape in args.shapes.split(","):
         if shape == "135m":
             d = smollm2_dir(work)
@@ -175,15 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             r = row(name, d, recipe, args, work)
             print(json.dumps(r), flush=True)
             rows.append(r)
-    meta = {"when": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": platform.platform(),
-            "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "calib_windows": args.calib_windows, "calib_len": args.calib_len, "eval": args.eval,
-            "eval_by_block": args.eval and args.by_block,
-            "note": "1B/3B/8B rows: random weights, time and memory only"}
-    results = ROOT / "bench" / "results"
-    write_json(results / f"{args.out_name}.json", {"meta": meta, "rows": rows})
-    write_text(results / f"{args.out_name}.md", markdown(rows, meta))
+            # written after every row: a long run stopped part way keeps the rows it finished
+            write_json(results / f"{args.out_name}.json", {"meta": meta, "rows": rows})
+            write_text(results / f"{args.out_name}.md", markdown(rows, meta))
     print(markdown(rows, meta))
     return 0
 

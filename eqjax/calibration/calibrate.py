@@ -487,10 +487,15 @@ class Calibrator:
             from tqdm.auto import tqdm
 
             blocks = tqdm(blocks, desc=desc, unit="block")
+        last = self.blocks[-1] if len(self.blocks) else None
         for block in blocks:
             bc = BlockCalibration(self, block, envs, params, valids)
             new = dict(per_block(bc, dict(params)))
             new = {p: (v if v is params.get(p) else self._at_rest(p, v)) for p, v in new.items()}
+            del bc
+            if block is last:  # nothing reads the last block's outputs (e.g. a head's logits): not computed
+                params = new
+                break
             fn = self._step(block, None, (), 0, 0.0)
             use = new if advance == "new" else params
             sub = self._params_for(block, use)

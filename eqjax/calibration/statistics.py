@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "Statistic", "MERGE_FNS", "merge", "accumulate", "absmax", "maximum", "minimum", "abs_sum", "abs_mean",
-    "xtx", "count", "nonfinite",
+    "xtx", "hessian", "count", "nonfinite",
 ]
 
 MERGE_FNS: dict[str, Callable[[Any, Any], Any]] = {"max": jnp.maximum, "min": jnp.minimum, "sum": jnp.add}
@@ -113,6 +113,15 @@ def xtx() -> Statistic:
         "xtx", lambda k: (jnp.zeros((k, k), jnp.float32), jnp.zeros((), jnp.float32)),
         lambda x, w: (jnp.einsum("nf,ng->fg", _f32(x) * w[:, None], _f32(x), precision="highest"), jnp.sum(w)),
         "sum", lambda s: s[0] / jnp.maximum(s[1], 1e-30),
+    )
+
+
+@functools.cache
+def hessian() -> Statistic:
+    """GPTQ's Hessian ``2 X^T W X / sum w`` (float32 ``[K, K]``): :func:`xtx` doubled as it is finalized, so no
+    K x K copy is made to double it (doubling is exact: the same bits as doubling the finalized ``xtx``)."""
+    return Statistic(
+        "hessian", xtx().init, xtx().partial, "sum", lambda s: 2.0 * (s[0] / jnp.maximum(s[1], 1e-30)),
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from eqjax.cli.hostmem import release_free_memory
 from eqjax.core.errors import CompatibilityError, InputError
 from eqjax.export.package import tokenizer_files
 from eqjax.io.compressed_tensors import (
@@ -84,8 +85,12 @@ def stream_to_format(fmt: str, out: str, setup: Any, recipe: Any, *, model_path:
     run = {"model": str(src), "model files": files_seen, "recipe": repr(recipe), "seed": seed, "dtype": dtype,
            "calibration": digest}
 
+    def unit_done(line: str) -> None:  # called once each unit's leaves are dropped
+        release_free_memory()
+        say(line)
+
     def produce(emit: Any, ledger: Any) -> None:
-        stream_quantize(model, sp.paths, sp.load, recipe, cal, emit, seed=seed, progress=say, ledger=ledger)
+        stream_quantize(model, sp.paths, sp.load, recipe, cal, emit, seed=seed, progress=unit_done, ledger=ledger)
 
     kw = dict(files=files, copy_from=copy_from, extra_config=ids, overwrite=overwrite, run=run, resume=resume)
     if fmt == GPTQ_FORMAT:

@@ -1,4 +1,5 @@
-"""Host memory: fixing glibc's mmap threshold so that large freed buffers go back to the system.
+"""Host memory: fixing glibc's mmap threshold so that large freed buffers go back to the system, and handing
+the free pages inside the heap back between the units of a streamed run.
 
 glibc raises its mmap threshold to the size of each large buffer freed, up to 32 MB; afterwards buffers of
 1-16 MB (a calibration batch's hidden states, weight and Hessian copies) come from the heap, which
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["LOW_MEMORY_THRESHOLD", "fix_mmap_threshold"]
+__all__ = ["LOW_MEMORY_THRESHOLD", "fix_mmap_threshold", "release_free_memory"]
 
 LOW_MEMORY_THRESHOLD = 4 << 20
 """Bytes: buffers from this size up are mmapped (and unmapped when freed); chosen among 1, 4, 16 and
@@ -32,3 +33,17 @@ def fix_mmap_threshold(nbytes: int = LOW_MEMORY_THRESHOLD) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim(0)``): True where glibc did.
+
+    A freed buffer below the mmap threshold stays in the heap, so a streamed run's resident size would carry
+    the previous unit's temporaries into the next (measured on an 8B-shaped block: 0.84 GiB of 2.60 GiB).
+    Elsewhere (musl, macOS) nothing happens."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

@@ -156,6 +156,8 @@ def check_finite(x: jax.Array, name: str = "tensor") -> None:
     """Raise ``ValueError`` naming ``name`` if a concrete ``x`` holds NaN or Inf (no-op under tracing)."""
     if isinstance(x, jax.core.Tracer):
         return
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and bool(_all_finite(x)):
+        return  # one compiled pass: no float32 or boolean copy of the array
     a = np.asarray(x)
     if a.dtype.kind == "f" or a.dtype == jnp.bfloat16:
         bad = ~np.isfinite(a.astype(np.float32))
@@ -164,6 +166,11 @@ def check_finite(x: jax.Array, name: str = "tensor") -> None:
             raise ValueError(
                 f"{name}: {int(bad.sum())} non-finite value(s) (NaN/Inf), first at index {idx} of shape {a.shape}"
             )
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))
 
 
 def _check_input(x: jax.Array, name: str) -> None:
@@ -364,9 +371,15 @@ def pack(codes_: jax.Array, bits: int, axis: int) -> jax.Array:
 
 
 def unpack(packed: jax.Array, bits: int, axis: int, length: int) -> jax.Array:
-    """Inverse of :func:`pack`: uint8 codes of ``length`` along ``axis``."""
+    """Inverse of :func:`pack`: uint8 codes of ``length`` along ``axis``. One compiled program per shape:
+    op by op, each step would hold a uint32 copy of every code (8 GiB for a 128k-row LM head at 4 bits)."""
     if not is_packed(bits):
         raise QArrayError(f"only 2..4-bit codes are packed, got {bits}")
+    return _unpack(packed, int(bits), int(axis) % max(jnp.ndim(packed), 1), int(length))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _unpack(packed: jax.Array, bits: int, axis: int, length: int) -> jax.Array:
     n = codes_per_word(bits)
     nbytes = bits * n // 8
     p = jnp.moveaxis(packed, axis, -1).astype(jnp.uint32)

@@ -32,10 +32,20 @@ def _np(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+_CHECK_CHUNK = 1 << 22
+"""Elements per pass of the finiteness check: its temporaries stay small whatever the array (an LM head is
+half a billion)."""
+
+
 def _first_bad(a: np.ndarray) -> tuple[int, tuple[int, ...]] | None:
     if a.dtype.kind not in "fc" and a.dtype.name != "bfloat16":
         return None
-    f = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+    flat = a.reshape(-1)
+    wide = a.dtype.name == "bfloat16"
+    if all(np.isfinite(flat[i:i + _CHECK_CHUNK].astype(np.float32) if wide else flat[i:i + _CHECK_CHUNK]).all()
+           for i in range(0, flat.size, _CHECK_CHUNK)):
+        return None
+    f = a.astype(np.float32) if wide else a
     bad = ~np.isfinite(f)
     if not bad.any():
         return None

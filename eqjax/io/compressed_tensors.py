@@ -36,7 +36,6 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.numerics import codes
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
 from eqjax.io.hf import (
     HFTensor,
@@ -59,6 +58,7 @@ from eqjax.io.hf_quantized import (
     recipe_refusal,
     save_streamed,
     unpack_int32,
+    unsigned_codes,
     write_directory,
 )
 from eqjax.io.stream_ledger import StreamLedger
@@ -81,14 +81,6 @@ def check_recipe(recipe: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------- writing
-
-
-def _unsigned(q: QArray) -> np.ndarray:
-    """Codes of ``q`` ``[in, out]`` as the format's unsigned values (``q_signed + 2**(bits-1)``)."""
-    c = np.asarray(codes(q))
-    if q.symmetric and not q.packed:  # int8 values around 0
-        return (c.astype(np.int32) + 2 ** (q.bits - 1)).astype(np.uint8)
-    return c.astype(np.uint8)
 
 
 def _weight_scheme(q: QArray, where: str) -> tuple[dict[str, Any], int]:
@@ -134,7 +126,7 @@ def _encode(name: str, parts: list[Any], dtype: str) -> tuple[dict[str, np.ndarr
         raise FormatError(f"{where}: fused parts quantized differently ({', '.join(str(q.granularity) for q in qs)})")
     weights, size = schemes[0]
     stem = name[: -len(".weight")]
-    u = np.concatenate([_unsigned(q).T for q in qs], axis=0)  # [out, in]
+    u = unsigned_codes(qs[0]).T if len(qs) == 1 else np.concatenate([unsigned_codes(q).T for q in qs], axis=0)  # [out, in]
     sz = [_scales(q, size, dtype) for q in qs]
     scale = np.concatenate([s for s, _ in sz], axis=0) if weights["strategy"] != "tensor" else sz[0][0]
     if weights["strategy"] == "tensor" and len(qs) > 1:
@@ -158,7 +150,7 @@ def _encode(name: str, parts: list[Any], dtype: str) -> tuple[dict[str, np.ndarr
             if len({float(np.asarray(p.act_scale)) for p in act}) != 1:
                 raise FormatError(f"{where}: fused parts with different static activation scales")
             out[f"{stem}.input_scale"] = cast_float(np.asarray(a.act_scale, np.float32).reshape(1), dtype)
-        out[f"{stem}.weight"] = np.ascontiguousarray((u.astype(np.int32) - 128).astype(np.int8))
+        out[f"{stem}.weight"] = np.ascontiguousarray(np.bitwise_xor(u, np.uint8(0x80)).view(np.int8))  # u - 128
         out[f"{stem}.weight_scale"] = scale
         return out, {**scheme, "format": "int-quantized"}
     out[f"{stem}.weight_packed"] = np.ascontiguousarray(pack_int32(u, weights["num_bits"]))

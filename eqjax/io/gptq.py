@@ -26,7 +26,6 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.numerics import codes
 from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_group, validate
 from eqjax.io.hf import (
     HFTensor,
@@ -47,6 +46,7 @@ from eqjax.io.hf_quantized import (
     recipe_refusal,
     save_streamed,
     unpack_int32,
+    unsigned_codes,
     write_directory,
 )
 from eqjax.models import Model
@@ -82,9 +82,7 @@ def _encode(t: HFTensor, parts: list[Any], dtype: str) -> tuple[dict[str, np.nda
     if any((q.bits, q.symmetric, q.granularity) != (q0.bits, q0.symmetric, q0.granularity) for q in parts):
         raise FormatError(f"{t.name} ({GPTQ_FORMAT}): fused parts quantized differently")
     bits, size, k = q0.bits, g.group_size, q0.shape[0]
-    u = np.concatenate([np.asarray(codes(q)).astype(np.uint8) if q.packed or not q.symmetric
-                        else (np.asarray(codes(q)).astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8) for q in parts],
-                       axis=1)  # [in, out], unsigned
+    u = unsigned_codes(q0) if len(parts) == 1 else np.concatenate([unsigned_codes(q) for q in parts], axis=1)  # [in, out]
     zp = np.concatenate([np.asarray(q.effective_zero_point) for q in parts], axis=1)
     if not q0.packed and q0.symmetric:
         zp = zp + 2 ** (bits - 1)

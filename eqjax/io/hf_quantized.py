@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqjax.core.errors import CompatibilityError
-from eqjax.core.numerics import pack
+from eqjax.core.numerics import codes, pack
 from eqjax.core.pytree import nest_paths
+from eqjax.core.qarray import QArray
 from eqjax.io.atomic import atomic_directory
 from eqjax.io.hf import INDEX_FILE, float_tensors, write_safetensors
 from eqjax.io.stream_ledger import StreamLedger, work_directory
 
-__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "Encoder", "save_streamed", "pack_int32", "unpack_int32"]
+__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "Encoder", "save_streamed", "pack_int32", "unpack_int32", "unsigned_codes"]
 
 WEIGHT_BITS = (4, 8)
 """Weight widths written: the ones the formats' kernels (vLLM, transformers, GPTQ) take."""
@@ -208,6 +209,22 @@ def copy_tokenizer(target: Path, copy_from: str | os.PathLike[str] | None,
             shutil.copyfile(src / name, target / name)
     for name, content in (files or {}).items():
         (target / name).write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def unsigned_codes(q: QArray) -> np.ndarray:
+    """Codes of a 2-D ``q`` as unsigned values (uint8, logical shape): stored codes as they are, symmetric int8
+    values shifted by ``2**(bits-1)``; no copy beyond the unpacked codes themselves."""
+    c = np.asarray(codes(q))
+    if q.symmetric and not q.packed:  # int8 values v around 0: v + 2**(bits-1) without a wider copy
+        return _offset_int8(c, q.bits)
+    return c.astype(np.uint8, copy=False)
+
+
+def _offset_int8(c: np.ndarray, bits: int) -> np.ndarray:
+    """``c + 2**(bits-1)`` as uint8 for int8 values ``c`` in ``[-2**(bits-1), 2**(bits-1))``."""
+    if bits == 8:  # two's complement: v + 128 (mod 256) is v's byte with its top bit flipped
+        return np.bitwise_xor(c.view(np.uint8), np.uint8(0x80))
+    return (c + np.int8(2 ** (bits - 1))).view(np.uint8)
 
 
 def pack_int32(u: np.ndarray, bits: int) -> np.ndarray:

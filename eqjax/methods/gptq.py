@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-from eqjax.calibration.statistics import xtx
+from eqjax.calibration.statistics import hessian
 from eqjax.core.analysis import WeightUse, from_weight_matrix, weight_matrix
 from eqjax.core.errors import InputError
 from eqjax.core.numerics import QuantSpec, quantize_with, range_to_qparams, symmetric_bounds
@@ -59,6 +59,7 @@ __all__ = ["GPTQ", "GPTQWarning", "gptq_quantize", "gptq_matrix", "group_size_fo
 log = logging.getLogger("eqjax")
 
 _ROW_CHUNK_BYTES = 64 << 20  # float32 weight rows per GPTQ sweep: see gptq_matrix
+_FACTOR_FILL_BYTES = 16 << 20  # Hessian columns per block when the float64 factor copy is filled
 
 
 class GPTQWarning(UserWarning):
@@ -77,22 +78,26 @@ def group_size_for(in_features: int, requested: int | None) -> int | None:
 
 
 def hessian_cholesky(
-    h: np.ndarray, percdamp: float = 0.01, *, max_damp_tries: int = 4, name: str = "layer"
+    h: np.ndarray, percdamp: float = 0.01, *, max_damp_tries: int = 4, name: str = "layer",
+    order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
-    """Upper Cholesky factor ``U`` of ``(H + damp I)^-1`` (float64) and the damping fraction used.
+    """Upper Cholesky factor ``U`` of ``(H' + damp I)^-1`` (float64) and the damping fraction used, where
+    ``H' = H[order][:, order]`` (``order``: a permutation of the ``K`` inputs; None: ``H`` as it is).
 
     ``damp = percdamp * mean(diag H)``; on failure (non-positive-definite) ``percdamp`` is multiplied
-    by 10 up to ``max_damp_tries`` more times, warning (:class:`GPTQWarning`) with ``name``.
+    by 10 up to ``max_damp_tries`` more times, warning (:class:`GPTQWarning`) with ``name``. ``H`` stays
+    in its dtype: the one float64 copy is the permuted matrix itself (:func:`_inverse_upper_factor`).
     """
-    h = np.asarray(h)  # float32 or float64; factored in float64 (one copy, :func:`_inverse_upper_factor`)
-    mean_diag = float(np.mean(np.abs(np.diag(h).astype(np.float64))))
+    h = np.asarray(h)
+    diag = np.diag(h) if order is None else np.diag(h)[np.asarray(order)]
+    mean_diag = float(np.mean(np.abs(diag.astype(np.float64))))
     if not np.isfinite(mean_diag):
         raise ValueError(f"{name}: the GPTQ Hessian has non-finite entries")
     if mean_diag == 0.0:
         mean_diag = 1.0
     pd = percdamp
     for attempt in range(max_damp_tries + 1):
-        u = _inverse_upper_factor(h, pd * mean_diag)
+        u = _inverse_upper_factor(h, pd * mean_diag, order)
         if u is not None and np.all(np.isfinite(u)):
             if attempt:
                 warnings.warn(
@@ -109,13 +114,20 @@ def hessian_cholesky(
     )
 
 
-def _inverse_upper_factor(h: np.ndarray, damp: float) -> np.ndarray | None:
-    """Upper ``U`` with positive diagonal and ``U^T U = (h + damp I)^-1``, or None if ``h + damp I`` is not
-    positive definite. With ``R`` the reversal of the inputs, ``R (h + damp I) R = L L^T`` gives
-    ``(h + damp I)^-1 = (R L^-1 R)^T (R L^-1 R)`` and ``R L^-1 R`` is upper: one Cholesky and one
-    triangular inverse (2/3 K^3 flops) on one K x K float64 copy, where inverting ``H`` and factoring the
-    inverse costs about 3 K^3 and three copies (1.6 GB each at K = 14336)."""
-    a = np.array(h[::-1, ::-1], np.float64, order="F")
+def _inverse_upper_factor(h: np.ndarray, damp: float, order: np.ndarray | None = None) -> np.ndarray | None:
+    """Upper ``U`` with positive diagonal and ``U^T U = (h' + damp I)^-1`` (``h' = h[order][:, order]``), or
+    None if ``h' + damp I`` is not positive definite. With ``R`` the reversal of the inputs,
+    ``R (h' + damp I) R = L L^T`` gives ``(h' + damp I)^-1 = (R L^-1 R)^T (R L^-1 R)`` and ``R L^-1 R`` is
+    upper: one Cholesky and one triangular inverse (2/3 K^3 flops) on one K x K float64 copy, where
+    inverting ``H`` and factoring the inverse costs about 3 K^3 and three copies (1.6 GB each at K = 14336).
+    The copy is filled column block by column block straight from ``h`` (a permuted float32 ``h'`` would be
+    one more K x K temporary)."""
+    k = h.shape[0]
+    q = (np.arange(k) if order is None else np.asarray(order))[::-1]
+    a = np.empty((k, k), np.float64, order="F")
+    step = max(1, _FACTOR_FILL_BYTES // (h.itemsize * max(k, 1)))
+    for j in range(0, k, step):
+        a[:, j:j + step] = h[np.ix_(q, q[j:j + step])]
     a[np.diag_indices_from(a)] += damp
     c, info = scipy.linalg.lapack.dpotrf(a, lower=1, clean=1, overwrite_a=1)
     if info != 0:
@@ -284,10 +296,14 @@ def gptq_matrix(
                                  scale_dtype=scale_dtype, **dict(grid_kwargs or {}))
         fixed = (sc, zp0)
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n_in)
-    u, _ = hessian_cholesky(h[np.ix_(perm, perm)], percdamp, max_damp_tries=max_damp_tries, name=name)
+    u, _ = hessian_cholesky(h, percdamp, max_damp_tries=max_damp_tries, name=name, order=perm)
     starts = tuple(int(np.argmax(gid == g)) for g in range(n_groups)) if not static else ()
-    shared = (jnp.asarray(u, jnp.float32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32))
-    del u  # the float64 factor (K x K) is not needed beside its float32 copy
+    # float32 on the host first, the float64 factor dropped, then the one device copy: jnp.asarray(u, float32)
+    # straight from float64 peaks at three times the float32 size (2.3 GiB above the factor at K = 14336)
+    u32 = np.asarray(u, np.float32)
+    del u
+    shared = (jnp.asarray(u32), jnp.asarray(perm, jnp.int32), jnp.asarray(gid, jnp.int32))
+    del u32
     kw = dict(bits=bits, symmetric=symmetric, blocksize=int(blocksize), static=bool(static), scale_dtype=scale_dtype,
               starts=starts, full_range=bool(full_range))
     n_out = w_in.shape[1]
@@ -501,11 +517,11 @@ class GPTQ:
                 group = [u for u in group if u.path in targets]
                 if not group:
                     continue
-                stats = bc.statistics({"xtx": xtx()}, group, p, sink_tokens=self.sink_tokens,
+                stats = bc.statistics({"h": hessian()}, group, p, sink_tokens=self.sink_tokens,
                                       sink_weight=self.sink_weight)
                 for u in group:  # each Hessian is dropped once used (float32 here; float64 only inside _one)
-                    p[u.path] = self._one(p[u.path], u, 2.0 * np.asarray(stats.pop(u.path)["xtx"]),
-                                          an, grids, bc.mesh, specs[u.path])
+                    p[u.path] = self._one(p[u.path], u, np.asarray(stats.pop(u.path)["h"]), an, grids, bc.mesh,
+                                          specs[u.path])
             return p
 
         out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)

@@ -247,7 +247,10 @@ def search_grid(
             raise InputError(f"grid search: H of shape {hn.shape} does not match the weight's {k} inputs")
         mean = float(np.mean(np.abs(np.diag(hn)))) or 1.0
         hn[np.diag_indices(k)] += damp * mean
-        hh = jnp.asarray(hn / mean, jnp.float32)  # normalized: the argmin does not depend on H's scale
+        hn /= mean  # normalized: the argmin does not depend on H's scale
+        hn = hn.astype(np.float32)  # on the host: jnp.asarray(float64, float32) would peak at 3x the float32 size
+        hh = jnp.asarray(hn)
+        del hn
     s, z, err = _search(w, hh, jnp.asarray(grid_blocks(np.asarray(gid), n_groups)), bits=bits, symmetric=symmetric,
                         full_range=full_range, scale_dtype=scale_dtype, weighting=weighting, n_grid=int(n_grid),
                         min_ratio=float(min_ratio), refine=int(refine))

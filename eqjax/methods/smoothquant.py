@@ -24,6 +24,7 @@ float block on the calibration windows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from typing import Any, Mapping
@@ -62,6 +63,13 @@ def smooth_scales(x_absmax: Any, w_absmax: Any, alpha: float) -> jax.Array:
 
 def _tied_max(x: jax.Array, tie: np.ndarray) -> jax.Array:
     return jax.ops.segment_max(jnp.asarray(x), jnp.asarray(tie), num_segments=int(tie.max()) + 1)
+
+
+@jax.jit
+def _row_absmax(w: jax.Array) -> jax.Array:
+    """``max |w|`` over the outputs of a canonical ``[K, N]`` weight: ``[K]``, one pass, no ``|w|`` copy (an LM
+    head's would be 2 GB)."""
+    return jnp.max(jnp.abs(w), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +140,7 @@ class SmoothQuant:
                 for group, fold in plan:
                     tie = fold.tie
                     ws = [weight_matrix(p[u.path], u).astype(jnp.float32) for u in group]
-                    w_max = jnp.max(jnp.concatenate([jnp.abs(w) for w in ws], axis=1), axis=1)
+                    w_max = functools.reduce(jnp.maximum, [_row_absmax(w) for w in ws])
                     x_max = stats[group[0].path]["absmax"]
                     s = smooth_scales(_tied_max(x_max, tie), _tied_max(w_max, tie), alpha)
                     new = apply_fold(new, fold, s, tie)

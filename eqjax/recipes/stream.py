@@ -114,6 +114,7 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
       recipe: a :class:`Recipe` or a built-in name; calibration: token windows ``[n, T]`` (or None).
       emit: receives each unit's final leaves; nothing of a unit is kept after it returns.
       batch_size: windows per calibration batch (as :func:`eqjax.recipes.apply.quantize`).
+      progress: called with one line per finished unit, once nothing of that unit is referenced any more.
       ledger: a :class:`~eqjax.io.stream_ledger.StreamLedger` (or None): the units it has on record are
         skipped, their activations and report restored, and each unit is committed to it after ``emit``.
     """
@@ -145,6 +146,7 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
         cur = dict(load(unit.paths))
         check_params(nest_paths(cur), f"params of {unit.name}", nonfinite=NonFiniteParamsError)
         fn = jax.jit(unit.fn)
+        ctx = None
         for i, step in enumerate(steps):
             calibrated = i in cal_steps
             if unit.name == "outer" and calibrated:  # its input stream starts at the embeddings, so far
@@ -156,11 +158,13 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
                           seed=seed, partial=True)
             new = dict(step(cur, ctx))
             report += ctx.report
-            if calibrated:
+            if calibrated and unit is not units[-1]:  # nothing reads the last unit's outputs (the logits)
                 after = new if step.advance == "new" else cur
                 streams[i] = [fn(nest_paths(after), x) for x in streams[i]]
+                del after
             changed |= any(is_quantized(v) and not is_quantized(cur.get(p)) for p, v in new.items())
             cur = new
+            del new
         try:
             check_params(nest_paths(cur), f"output of recipe {recipe.name!r} ({unit.name})", allow_int=True)
         except NonFiniteError as e:
@@ -168,7 +172,7 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
         emit(unit.name, cur)
         if ledger is not None:
             ledger.commit(unit.name, streams, report, changed)
-        del cur
+        del cur, ctx  # the context holds the unit's params too: nothing of the unit outlives it
         say(f"{unit.name}: {time.perf_counter() - t0:.1f}s")
     if not changed:
         check_quantized_something(recipe, {}, {})

@@ -39,6 +39,16 @@ def test_statistics_against_numpy():
     assert float(S.nonfinite().partial(jnp.asarray(bad), jnp.asarray(w))) == 1.0
 
 
+def test_hessian_is_twice_xtx_bit_for_bit():
+    """GPTQ's Hessian statistic doubles ``xtx`` as it finalizes: exact in float32, so the same bits as doubling
+    the finalized ``xtx`` afterwards (what GPTQ did before, with one K x K copy more)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(64, 24)) * np.exp(rng.normal(size=24)), jnp.float32)
+    w = jnp.asarray(rng.uniform(size=64), jnp.float32)
+    fin = lambda st: np.asarray(st.finalize(S.accumulate(st, st.init(24), x, w)))  # noqa: E731
+    np.testing.assert_array_equal(fin(S.hessian()), 2.0 * fin(S.xtx()))
+
+
 def test_channel_local_statistics_read_only_their_channel():
     """``channel_local`` is what lets eqjax.distributed skip gathering K-sharded activations."""
     rng = np.random.default_rng(2)

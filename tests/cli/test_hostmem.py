@@ -1,4 +1,5 @@
-"""eqjax.cli.hostmem: the fixed mmap threshold returns freed large buffers to the system (glibc only)."""
+"""eqjax.cli.hostmem: the fixed mmap threshold, and trimming the heap, return freed buffers to the system (glibc
+only)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 _FRAGMENT = textwrap.dedent("""
     import sys
     import numpy as np
-    from eqjax.cli.hostmem import fix_mmap_threshold
+    from eqjax.cli.hostmem import fix_mmap_threshold, release_free_memory
     if sys.argv[1] == "fixed":
         assert fix_mmap_threshold(1 << 20)
     def rss_mb():
@@ -32,6 +33,8 @@ _FRAGMENT = textwrap.dedent("""
     base = rss_mb()
     keep = [np.ones(2 << 20, np.uint8) for _ in range(100)]
     del keep[::2]
+    if sys.argv[1] == "trim":
+        assert release_free_memory()
     print(rss_mb() - base)
 """)
 
@@ -55,3 +58,9 @@ def test_fixed_threshold_returns_freed_buffers_that_the_dynamic_one_keeps():
     # 200 MiB allocated, 100 MiB freed: the heap keeps all 200 resident, mmapped buffers only the live 100
     assert kept_default > 170, kept_default
     assert kept_fixed < 130, kept_fixed
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_release_free_memory_returns_the_heaps_holes():
+    """The same holes as above (default threshold, so from the heap) go back once the heap is trimmed."""
+    assert _resident_after_freeing_half("trim") < 130

@@ -118,6 +118,21 @@ def test_hessian_cholesky_is_the_factor_of_the_damped_inverse(k, extra_rank, see
     assert np.max(np.abs(u - ref)) <= tol * np.max(np.abs(ref))
 
 
+@settings(max_examples=20, deadline=None)
+@given(k=st.integers(1, 300), seed=st.integers(0, 2**16), dtype=st.sampled_from([np.float32, np.float64]))
+def test_hessian_cholesky_of_a_permutation_is_that_of_the_permuted_matrix(k, seed, dtype):
+    """``order=`` gives bit for bit the factor of ``H[order][:, order]`` (the float64 copy is filled from ``H``
+    column block by column block instead of from a permuted copy)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(k + 3, k))
+    h = (x.T @ x).astype(dtype)
+    perm = rng.permutation(k)
+    u_ref, pd_ref = hessian_cholesky(h[np.ix_(perm, perm)], 0.01)
+    u, pd = hessian_cholesky(h, 0.01, order=perm)
+    assert pd == pd_ref
+    np.testing.assert_array_equal(u, u_ref)
+
+
 def test_sweep_memory_does_not_grow_with_the_number_of_groups():
     """The compiled GPTQ sweep's temporary buffers: 128 groups of 8 inputs need no more than 8 groups of 128
     beyond the grids themselves (a few ``[groups, out]`` arrays): the groups' ranges are one pass over the

@@ -10,6 +10,9 @@ float leaves alike: the bound is for compilers that fuse the unit programs diffe
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -82,6 +85,29 @@ def test_calibrated_methods_match_the_in_memory_run(tied, recipe):
         assert flips[-1] <= 5e-3, (p, flips[-1])
         a, b = np.asarray(dequantize_leaf(out[p])), np.asarray(dequantize_leaf(v))
         assert np.linalg.norm(a - b) <= 0.05 * np.linalg.norm(b), p
+
+
+@pytest.mark.parametrize("recipe", ["w4g128-gptq", "w8a8-smoothquant", "w4g128-rtn"])
+def test_nothing_of_a_unit_outlives_it(recipe):
+    """When a unit is loaded, every array loaded for the units before it is gone (the largest unit, not the sum
+    of two, is what a streamed run holds)."""
+    model, params, cal = _model(False)
+    paths, leaves, _ = flatten_with_paths(params)
+    flat = dict(zip(paths, leaves))
+    refs: list[tuple[str, weakref.ref]] = []
+
+    def load(ps):
+        gc.collect()
+        alive = [p for p, r in refs if r() is not None]
+        assert not alive, f"loading {ps[0]}: still alive {alive}"
+        out = {p: jax.numpy.array(flat[p], copy=True) for p in ps}  # arrays only this run holds
+        refs.extend((p, weakref.ref(v)) for p, v in out.items())
+        return out
+
+    kept = {}
+    stream_quantize(model, paths, load, recipe, cal,
+                    lambda name, ls: kept.update({p: jax.tree.map(np.array, v) for p, v in ls.items()}))
+    assert sorted(kept) == sorted(paths)
 
 
 @pytest.mark.parametrize("recipe", ["kv8", "w4g128-rot-rtn"])

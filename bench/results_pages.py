@@ -871,6 +871,10 @@ def page_memory() -> str:
 
 
 SCALE_TABLES = (
+    ("scale_8b_rtn.json", "round to nearest on the 8B shape with the export: `eqjax export-onnx --checkpoint` of the "
+                          "written directory (weights written to disk as the graph is built, the onnxruntime "
+                          "self-check included; 'package GiB': the package directory). The plain 'eval' ran block at "
+                          "a time by itself: the model's float32 weights exceed the free memory."),
     ("scale_8b.json", "the 8B shape as eqjax quantizes it now: no unit's arrays outlive it, the heap's free pages "
                       "handed back between units, GPTQ's Hessian factored from one float64 copy, and no full-size "
                       "temporaries when codes are unpacked, checked or written. Other work shared the 2 CPUs for much of "
@@ -885,7 +889,9 @@ SCALE_TABLES = (
 
 def page_scale() -> str:
     body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
-            "```bash\npython bench/scale.py --shapes 8b --recipes w4g128-gptq --eval --by-block --out-name scale_8b\n"
+            "```bash\npython bench/scale.py --shapes 8b --recipes w4g128-rtn --eval --by-block --export --out-name "
+            "scale_8b_rtn\n"
+            "python bench/scale.py --shapes 8b --recipes w4g128-gptq --eval --by-block --out-name scale_8b\n"
             "python bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n"
             "python bench/scale.py --shapes 135m,1b,3b,8b --recipes w4g128-rtn,w8a8-smoothquant --eval --by-block "
             "--out-name scale_methods\n```\n",
@@ -909,16 +915,20 @@ def page_scale() -> str:
         d = load(name)
         m = d["meta"]
         by_block = bool(m.get("eval_by_block"))
+        export = bool(m.get("export"))
         rows = []
         for r in d["rows"]:
             if "error" in r:
-                rows.append([r["model"], r["recipe"], f"failed: {r['error']}"] + [""] * (8 + 2 * by_block))
+                rows.append([r["model"], r["recipe"], f"failed: {r['error']}"] + [""] * (8 + 2 * by_block + 3 * export))
                 continue
             b = base.setdefault(r["recipe"], r["s_per_billion"])
             rows.append([r["model"], f"`{r['recipe']}`", f"{r['parameters'] / 1e9:.3f} B", f1(r["quantize_s"]),
                          f1(r["s_per_billion"]), f2(r["s_per_billion"] / b), f2(r["peak_rss_gib"]),
                          f1(r["activations_mib"]), f2(r["bytes_written"] / 2**30), *ev(r, ""),
-                         *(ev(r, "by_block_") if by_block else [])])
+                         *(ev(r, "by_block_") if by_block else []),
+                         *(([f1(r["export_s"]), f2(r["export_peak_rss_gib"]), f2(r["export_bytes"] / 2**30)]
+                            if "export_s" in r else [f"failed: {r.get('export_error', '-')}", "-", "-"])
+                           if export else [])])
         body.append(f"Calibration: {m['calib_windows']} x {m['calib_len']} tokens (round-to-nearest takes none). "
                     f"'eval': `eqjax eval --checkpoint` of the written directory on {m['calib_len']} tokens (its "
                     "time and peak RSS; no perplexity of random weights is shown)"
@@ -927,6 +937,7 @@ def page_scale() -> str:
         head = ["model", "recipe", "parameters", "quantize s", "s / 1e9 params", "vs smallest", "peak RSS GiB",
                 "activations MiB", "written GiB", "eval s", "eval peak RSS GiB"]
         head += ["by block eval s", "by block peak RSS GiB"] if by_block else []
+        head += ["export-onnx s", "export-onnx peak RSS GiB", "package GiB"] if export else []
         body.append(table(head, rows, ["---", "---"] + ["--:"] * (len(head) - 2)))
         body.append("\n" + source([name], f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; "
                                          f"jax {m['jax']}; {m['when']}") + "\n")

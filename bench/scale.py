@@ -7,15 +7,17 @@ Llama-3.2-1B / 3B and Llama-3-8B shapes (``bench/random_checkpoint.py``).
 For each (model, recipe): the CLI run in its own process (as a user runs it), its wall time, time per billion
 parameters, peak RSS (the child's ``ru_maxrss``), the calibration activations the run keeps (the CLI's own
 figure) and the bytes it wrote; with ``--eval``, also ``eqjax eval --checkpoint`` of the result (its time and
-peak RSS; the perplexity of a random-weight model is not reported), and block at a time with ``--by-block``. The
-table's last column divides each row's time per billion parameters by the smallest model's of the same recipe:
-1.0 everywhere is linear growth.
+peak RSS; the perplexity of a random-weight model is not reported; a model whose float32 weights exceed the free
+memory is evaluated block at a time by itself), and block at a time with ``--by-block``; with ``--export``,
+``eqjax export-onnx --checkpoint`` of the result (time, peak RSS, package size; its onnxruntime self-check
+included). The 'vs smallest' column divides each row's time per billion parameters by the smallest model's of the
+same recipe: 1.0 everywhere is linear growth.
 
 Writes ``bench/results/scale.{json,md}`` (``--out-name``). Checkpoints go to ``--work`` (default a temporary
 directory; an 8B checkpoint is 16 GB of bfloat16).
 
 Usage: python bench/scale.py [--shapes 135m,1b,3b,8b] [--recipes w4g128-rtn,w4g128-gptq,...]
-       [--calib-windows 4] [--calib-len 512] [--eval [--by-block]] [--work DIR] [--out-name scale]
+       [--calib-windows 4] [--calib-len 512] [--eval [--by-block]] [--export] [--work DIR] [--keep] [--out-name scale]
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def _params(d: pathlib.Path) -> int:
 
 def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work: pathlib.Path) -> dict:
     """One ``eqjax quantize --stream`` run of ``recipe`` on the checkpoint ``d`` (and its eval); the output is
-    deleted afterwards."""
+    deleted afterwards unless ``--keep``."""
     out = work / f"{d.name}-{recipe}"
     argv = ["quantize", "--model", str(d), "--recipe", recipe, "--format", "compressed-tensors", "--stream",
             "--calib-windows", str(args.calib_windows), "--calib-len", str(args.calib_len), "--out", str(out),
@@ -109,7 +111,16 @@ def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work:
         rc_, secs, rss, text = _run(ev)
         r.update({f"{mode[0]}eval_s": round(secs, 1), f"{mode[0]}eval_peak_rss_gib": round(rss, 2)} if rc_ == 0
                  else {f"{mode[0]}eval_error": text.strip().splitlines()[-1]})
-    shutil.rmtree(out)
+    if args.export:
+        pkg = work / f"{d.name}-{recipe}-onnx"
+        rc_, secs, rss, text = _run(["export-onnx", "--checkpoint", str(out), "--out", str(pkg), "--overwrite"])
+        r.update({"export_s": round(secs, 1), "export_peak_rss_gib": round(rss, 2),
+                  "export_bytes": sum(f.stat().st_size for f in pkg.iterdir() if f.is_file())} if rc_ == 0
+                 else {"export_error": text.strip().splitlines()[-1]})
+        if not args.keep and pkg.exists():
+            shutil.rmtree(pkg)
+    if not args.keep:
+        shutil.rmtree(out)
     return r
 
 
@@ -128,9 +139,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "(1.0 = linear growth).", "",
         "| model | recipe | parameters | quantize s | s / 1e9 params | vs smallest | peak RSS GiB | activations MiB "
         "| written GiB |" + (" eval s | eval peak RSS GiB |" if meta["eval"] else "")
-        + (" eval --by-block s | eval --by-block peak RSS GiB |" if meta.get("eval_by_block") else ""),
+        + (" eval --by-block s | eval --by-block peak RSS GiB |" if meta.get("eval_by_block") else "")
+        + (" export-onnx s | export-onnx peak RSS GiB | package GiB |" if meta.get("export") else ""),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if meta["eval"] else "")
-        + ("---:|---:|" if meta.get("eval_by_block") else ""),
+        + ("---:|---:|" if meta.get("eval_by_block") else "") + ("---:|---:|---:|" if meta.get("export") else ""),
     ]
     for r in rows:
         if "error" in r:
@@ -141,7 +153,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{r['s_per_billion']:.1f} | {r['s_per_billion'] / base[r['recipe']]:.2f} | {r['peak_rss_gib']:.2f} | "
             f"{r['activations_mib']} | {r['bytes_written'] / 2**30:.2f} |"
             + "".join(f" {r.get(k + 'eval_s', '-')} | {r.get(k + 'eval_peak_rss_gib', r.get(k + 'eval_error', '-'))} |"
-                      for k in ("", "by_block_")[:1 + bool(meta.get("eval_by_block"))] if meta["eval"]))
+                      for k in ("", "by_block_")[:1 + bool(meta.get("eval_by_block"))] if meta["eval"])
+            + (f" {r.get('export_s', '-')} | {r.get('export_peak_rss_gib', r.get('export_error', '-'))} | "
+               f"{r['export_bytes'] / 2**30:.2f} |" if "export_bytes" in r else " - | - | - |" if meta.get("export")
+               else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -156,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             "(one block at a time)")
     ap.add_argument("--work", default=None, help="where checkpoints are written (default: a temporary directory)")
     ap.add_argument("--out-name", default="scale")
+    ap.add_argument("--keep", action="store_true", help="keep the quantized checkpoints in --work")
+    ap.add_argument("--export", action="store_true", help="also time 'eqjax export-onnx --checkpoint' of each result "
+                                                          "(with its onnxruntime self-check)")
     args = ap.parse_args(argv)
     import jax
 
@@ -166,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "calib_windows": args.calib_windows, "calib_len": args.calib_len, "eval": args.eval,
-            "eval_by_block": args.eval and args.by_block,
+            "eval_by_block": args.eval and args.by_block, "export": args.export,
             "note": "1B/3B/8B rows: random weights, time and memory only"}
     results = ROOT / "bench" / "results"
     rows: list[dict] = []

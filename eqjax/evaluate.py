@@ -32,7 +32,7 @@ from eqjax.core.pytree import nest_paths, tree_nbytes
 from eqjax.core.validate import check_params
 from eqjax.distributed.mesh import default_mesh, put, replicated, slot_axes, stack_step
 
-__all__ = ["PplResult", "perplexity", "window_nll", "by_block_scorer", "peak_rss_mb", "model_size_bytes", "check_token_ids",
+__all__ = ["PplResult", "perplexity", "window_nll", "by_block_scorer", "by_block_logits", "peak_rss_mb", "model_size_bytes", "check_token_ids",
            "ulp_bumped", "rounding_band", "within_band", "is_streamed"]
 
 
@@ -172,11 +172,12 @@ def perplexity(
     )
 
 
-def _block_programs(model: Any, shape: tuple[int, int], kv_quant: Any
+def _block_programs(model: Any, shape: tuple[int, int], kv_quant: Any, *, logits: bool = False
                     ) -> tuple[Callable[..., Any], Callable[[int], Callable[..., Any]], Callable[..., Any], dict[int, int]]:
     """``(embed(rest, tokens), block(i)(layer, h), head_nll(rest, h, tokens), rep)`` of eqjax's own
     ``model`` for batches of ``shape``; ``rep[i]``: the first layer whose program layer ``i`` shares (its
-    attention window, or every layer its own with ``kv_quant``)."""
+    attention window, or every layer its own with ``kv_quant``). ``logits``: the head returns the logits
+    ``[B, T, V]`` instead of the summed next-token NLL."""
     if not hasattr(model, "layer_names") or not hasattr(model, "block"):
         raise InputError(f"block-at-a-time evaluation (by_block, eval --by-block): expected eqjax's own Model, found "
                          f"{type(model).__name__}")
@@ -192,7 +193,8 @@ def _block_programs(model: Any, shape: tuple[int, int], kv_quant: Any
 
     def head_nll(p: Any, h: jax.Array, t: jax.Array) -> jax.Array:
         with use_backend(backend):
-            return _next_token_nll(model.head(p, h), t)
+            out = model.head(p, h)
+            return out.astype(jnp.float32) if logits else _next_token_nll(out, t)
 
     def block(i: int) -> Callable[[Any, jax.Array], jax.Array]:
         def run(p: Any, h: jax.Array) -> jax.Array:
@@ -229,6 +231,27 @@ def by_block_scorer(model: Any, params: Any, shape: tuple[int, int], kv_quant: A
 
     score.programs = (embed_c, *blocks.values(), head_c)  # type: ignore[attr-defined]  (their memory_analysis())
     return score
+
+
+def by_block_logits(model: Any, params: Any, tokens: Any) -> np.ndarray:
+    """``model.apply(params, tokens)``'s logits (``[B, T, V]`` float32, ``tokens [B, T]``) computed one decoder
+    block at a time, each block's weights dequantized inside its own program: the logits of a quantized model
+    whose dequantized weights do not fit in memory at once. ``params``: a tree, or params read on demand
+    (:func:`is_streamed`; one block read at a time). eqjax's own Model only."""
+    t = jnp.asarray(tokens, jnp.int32)
+    embed, block, head, rep = _block_programs(model, tuple(t.shape), None, logits=True)
+    names = model.layer_names
+    keys, read = _parts(params)
+    rest = read([k for k in keys if k not in set(names)])
+    x = jax.jit(embed)(rest, t)
+    programs: dict[int, Any] = {}
+    for i, name in enumerate(names):
+        if rep[i] not in programs:
+            programs[rep[i]] = jax.jit(block(i))
+        layer = read([name])[name]
+        x = jax.block_until_ready(programs[rep[i]](layer, x))
+        del layer
+    return np.asarray(jax.jit(head)(rest, x, t))
 
 
 def is_streamed(params: Any) -> bool:

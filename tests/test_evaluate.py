@@ -117,6 +117,20 @@ def test_by_block_perplexity_equals_the_whole_models():
         assert (b.windows, b.predictions) == (a.windows, a.predictions)
 
 
+def test_by_block_logits_equal_the_whole_models():
+    """The export check's reference: block at a time, the logits of every position equal ``model.apply``'s to
+    float32 rounding of the logit range (the same operations, other program boundaries)."""
+    from eqjax.evaluate import by_block_logits
+
+    model = _sliding_llama()
+    q = quantize(model.init_params(jax.random.key(0), std=0.2), "w4g128-rtn", model=model)
+    toks = np.asarray(jax.random.randint(jax.random.key(2), (2, 11), 0, 64), np.int32)
+    a = np.asarray(model.apply(q, jnp.asarray(toks))[0])
+    b = by_block_logits(model, q, toks)
+    assert b.shape == a.shape == (2, 11, 64) and b.dtype == np.float32
+    np.testing.assert_allclose(b, a, rtol=0, atol=64 * np.finfo(np.float32).eps * float(np.abs(a).max()))
+
+
 def test_by_block_holds_one_blocks_float_weights():
     """Compiled only: the whole model's temporary bytes grow with its blocks' float32 weights; block at a
     time, the largest program's stay at about one block's, whatever the number of blocks."""

@@ -22,12 +22,14 @@ from eqjax.cli.sources import (
     max_context,
 )
 from eqjax.core.errors import CompatibilityError, InputError
+from eqjax.core.hostmem import release_free_memory
 from eqjax.data import calibration_windows, wikipedia_tokens
 from eqjax.export.graph import ExportError
 from eqjax.export.package import TARGETS, HFPackageTokenizer, check_recipe, export_package
 from eqjax.export.qlower import check_exportable, export_params
 from eqjax.io.gguf import GGUFError, config_from_metadata, default_model_path, read_metadata
 from eqjax.io.gguf_write import BLOCK, check_gguf_recipe, export_gguf
+from eqjax.io.load import stream_model
 from eqjax.recipes.apply import quantize
 from eqjax.recipes.registry import EMBEDDINGS, get_recipe, with_embedding
 
@@ -149,9 +151,18 @@ def export_main(args: Any) -> int:
         tok, template = src.tokenizer, read_metadata(src.path).get("tokenizer.chat_template")
     else:
         tok, template = HFPackageTokenizer(src.path, src.tokenizer), None
-    man = export_package(src.model, qparams, args.out, tokenizer=tok, chat_template=template, target=args.target,
+    # hand the params over: the writer drops them before onnxruntime loads the package (a model near the
+    # memory's size cannot be held twice)
+    held, model = [qparams], src.model
+    del qparams, src
+    release_free_memory()  # the load's temporaries
+    # an HF quantized checkpoint that is its own model: the check's reference reads it again block by block, after
+    # the params are dropped
+    own = ck is not None and is_hf_quantized(ck) and args.model is None and not args.no_check
+    man = export_package(model, held.pop, args.out, tokenizer=tok, chat_template=template, target=args.target,
                          accuracy_level=args.accuracy_level, context_length=args.context_length, recipe=name,
-                         overwrite=getattr(args, "overwrite", False), check=not args.no_check)
+                         overwrite=getattr(args, "overwrite", False), check=not args.no_check,
+                         reference_params=stream_model(ck)[1] if own else None)
     out = pathlib.Path(args.out)
     print(f"wrote {out}/ ({what}, target {args.target}, MatMulNBits accuracy_level {man['accuracy_level']}):")
     for fname, size in man["files"].items():

@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from eqjax.cli.hostmem import release_free_memory
 from eqjax.core.errors import CompatibilityError, InputError
+from eqjax.core.hostmem import release_free_memory
 from eqjax.export.package import tokenizer_files
 from eqjax.io.compressed_tensors import (
     FORMAT,

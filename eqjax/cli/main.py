@@ -35,14 +35,14 @@ from eqjax.cli.formats import (
     save_in_format,
     stream_to_format,
 )
-from eqjax.cli.hostmem import fix_mmap_threshold
 from eqjax.cli.interrupts import interrupts_stop_the_command
 from eqjax.cli.recipes import add_recipes_args, recipes_main
 from eqjax.cli.report import REPORT_FILES, markdown_table, write_report
 from eqjax.cli.resume import ROWS_FILE, RowLog, content_fingerprints, job_fingerprints, run_recipes
 from eqjax.cli.search import add_search_args, check_search_args, search_main
-from eqjax.cli.sources import check_model_source
+from eqjax.cli.sources import check_model_source, whole_model_exceeds_memory
 from eqjax.core.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, InputError, OutputError, describe, exit_code
+from eqjax.core.hostmem import fix_mmap_threshold
 from eqjax.core.linear import use_backend
 from eqjax.data import DataError, check_encoding, load_text_file
 from eqjax.distributed import check_same_job, describe_mesh, make_mesh, set_default_mesh, set_stage
@@ -82,7 +82,7 @@ def _add_debug(p: argparse.ArgumentParser) -> None:
 def _add_low_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-memory", action="store_true",
                    help="fix glibc's mmap threshold at 4 MiB: a lower peak RSS in calibration (GPTQ), somewhat slower "
-                        "(eqjax.cli.hostmem; figures in the docs)")
+                        "(eqjax.core.hostmem; figures in the docs)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by-block", action="store_true",
                    help="evaluate one decoder block at a time (a quantized model holds one block's float weights, "
                         "not all of them; an HF quantized --checkpoint is read one block at a time; one process, "
-                        "one device)")
+                        "one device; chosen by itself for an HF quantized --checkpoint whose float32 weights exceed "
+                        "the available memory)")
     add_qat_args(p)
     _add_overwrite(p, "the --json file")
     _add_debug(p)
@@ -376,6 +377,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     writer = _maybe_init_distributed(args)
     calibrated = recipe is not None and recipe.needs_calibration
     own = hf_quantized and args.model is None  # the checkpoint is the model
+    if own and not args.by_block and not is_multi_process(args):
+        big = whole_model_exceeds_memory(args.checkpoint)
+        if big is not None:
+            args.by_block = True
+            print(f"eqjax: evaluating one decoder block at a time (as --by-block): the whole model's float32 weights "
+                  f"({big[0]:.1f} GiB) exceed the memory available ({big[1]:.1f} GiB)", file=sys.stderr)
     setup = prepare(args.checkpoint if own else args.model, args.text, ctx=args.eval_len, eval_tokens=args.eval_tokens,
                     calib_windows=args.calib_windows if calibrated else 0,
                     calib_ctx=args.calib_len, seed=args.seed, also_eval=args.also_eval, encoding=args.encoding,

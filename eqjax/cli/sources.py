@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from typing import Any
+
+import jax
 
 from eqjax.cli.formats import is_hf_quantized, load_hf_quantized
 from eqjax.core.errors import CompatibilityError, InputError
@@ -15,11 +18,11 @@ from eqjax.io.compressed_tensors import FORMAT as CT_FORMAT
 from eqjax.io.gguf import default_model_path
 from eqjax.io.gptq import GPTQ_FORMAT, is_gptq
 from eqjax.io.hf import CheckpointError
-from eqjax.io.load import load_model
+from eqjax.io.load import load_model, stream_model
 from eqjax.io.orbax import is_partial_checkpoint, load_quantized, read_manifest
 
 __all__ = ["Source", "CHECKPOINT_KINDS", "check_model_source", "check_checkpoint", "load_source",
-           "checkpoint_params", "max_context"]
+           "checkpoint_params", "max_context", "whole_model_exceeds_memory"]
 
 CHECKPOINT_KINDS = "an eqjax Orbax checkpoint (eqjax quantize) or an HF quantized directory (compressed-tensors, GPTQ)"
 
@@ -120,3 +123,27 @@ def max_context(path: str | None) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (what can be allocated without swapping), None off Linux."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def whole_model_exceeds_memory(directory: str) -> tuple[float, float] | None:
+    """``(GiB, GiB available)`` when evaluating the HF directory's model whole would hold more float32 weights than
+    the memory available now (XLA dequantizes every block's weights of a whole-model program at once), None when
+    they fit, the memory is unknown or there are several devices (block at a time runs on one). Reads the config
+    and tensor headers only."""
+    if jax.device_count() > 1:
+        return None
+    model, _, _ = stream_model(directory)
+    shapes = jax.tree.leaves(model.param_shapes(), is_leaf=lambda x: isinstance(x, tuple))
+    need, avail = 4 * sum(math.prod(s) for s in shapes), _available_bytes()
+    return (need / 2**30, avail / 2**30) if avail is not None and need > avail else None

@@ -13,9 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from eqjax.core.errors import InputError
+from eqjax.export.tensors import TensorStore
 
 __all__ = ["ExportError", "Graph", "OPSET", "MS_DOMAIN", "onnx_dtype", "topo_sort"]
 
@@ -60,9 +61,12 @@ class Graph:
     Attributes:
       nodes, inits: what :func:`finish` assembles; inputs / outputs: ``ValueInfoProto`` s.
       dim_sources: symbolic variable name -> (graph tensor, axis) that carries it.
+      store: where initializers are written as they are made (default: inside the graph).
     """
 
-    def __init__(self, dim_sources: Mapping[str, tuple[str, int]] | None = None) -> None:
+    def __init__(self, dim_sources: Mapping[str, tuple[str, int]] | None = None, *,
+                 store: TensorStore | None = None) -> None:
+        self.store = store if store is not None else TensorStore()
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -81,8 +85,7 @@ class Graph:
 
     def init(self, hint: str, array: np.ndarray, *, exact_name: bool = False) -> str:
         name = hint if exact_name else self.name(hint)
-        arr = np.asarray(array)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr).reshape(arr.shape), name))
+        self.inits.append(self.store.tensor(name, array))
         return name
 
     def const(self, value: Any, dtype: Any = np.float32) -> str:

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from eqjax.export.tensors import TensorStore
+
 __all__ = ["pack_siblings", "fuse_packed_attention"]
 
 
@@ -64,8 +66,12 @@ def _hoisted_mul(nodes: list, consumers: dict) -> list | None:
     return muls if len({m.input[1] for m in muls}) == 1 else None
 
 
-def pack_siblings(m: onnx.ModelProto) -> int:
-    """Pack sibling MatMulNBits / MatMulIntegerToFloat nodes of ``m`` in place; returns how many groups."""
+def pack_siblings(m: onnx.ModelProto, store: TensorStore | None = None) -> int:
+    """Pack sibling MatMulNBits / MatMulIntegerToFloat nodes of ``m`` in place; returns how many groups.
+
+    ``store``: where the graph's initializers were made (:class:`~eqjax.export.tensors.TensorStore`); the packed
+    ones are made there too (default: inside the graph)."""
+    store = store if store is not None else TensorStore()
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     readers: dict[str, int] = defaultdict(int)
@@ -91,7 +97,7 @@ def pack_siblings(m: onnx.ModelProto) -> int:
         outs = [n.output[0] for n in nodes]
         if key[0] == "nbits":
             ns = [_attrs(n)["N"] for n in nodes]
-            arrays = [[numpy_helper.to_array(inits[i]) for i in n.input[1:] if i] for n in nodes]
+            arrays = [[store.array(inits[i]) for i in n.input[1:] if i] for n in nodes]
             cat = [np.concatenate([arr[j] for arr in arrays], axis=0) for j in range(len(arrays[0]))]
             names = [f"{base}.{s}" for s in ("B", "scales", "zp")[:len(cat)]]
             mm = helper.make_node("MatMulNBits", [nodes[0].input[0]] + names, [y], name=base, domain="com.microsoft",
@@ -99,7 +105,7 @@ def pack_siblings(m: onnx.ModelProto) -> int:
             made = [mm]
         else:  # MatMulIntegerToFloat: B [K, N] along axis 1, b_scale [N]
             ns = [inits[n.input[1]].dims[1] for n in nodes]
-            cat = [np.concatenate([numpy_helper.to_array(inits[n.input[j]]) for n in nodes], axis=ax)
+            cat = [np.concatenate([store.array(inits[n.input[j]]) for n in nodes], axis=ax)
                    for j, ax in ((1, 1), (3, 0))]
             names = [f"{base}.B", f"{base}.b_scale"]
             ins = list(nodes[0].input)
@@ -111,7 +117,7 @@ def pack_siblings(m: onnx.ModelProto) -> int:
                 y = base + ".ys"
                 outs = [mu.output[0] for mu in muls]
                 drop_nodes.update(id(mu) for mu in muls)
-        g.initializer.extend(numpy_helper.from_array(c, nm) for c, nm in zip(cat, names))
+        g.initializer.extend(store.tensor(nm, c) for c, nm in zip(cat, names))
         made.append(helper.make_node("Split", [y, base + ".sizes"], outs, name=base + "_split", axis=-1))
         g.initializer.append(numpy_helper.from_array(np.asarray(ns, np.int64), base + ".sizes"))
         new_nodes[min(order[id(n)] for n in nodes)] = made

@@ -29,12 +29,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
 
 from eqjax.core.analysis import analyze
+from eqjax.core.hostmem import release_free_memory
 from eqjax.core.program import trace
 from eqjax.core.pytree import flatten
 from eqjax.core.qarray import ActQuantKernel
@@ -42,7 +43,8 @@ from eqjax.export.fusions import DecodeContext, find_fusions
 from eqjax.export.graph import ExportError, Graph, value_info
 from eqjax.export.pack import fuse_packed_attention, pack_siblings
 from eqjax.export.qlower import export_params
-from eqjax.export.runtime import check_against_eqjax
+from eqjax.export.runtime import compare_with_eqjax, eqjax_reference
+from eqjax.export.tensors import DATA_FILE, TensorStore
 from eqjax.export.walker import Stack, Walker
 from eqjax.io.atomic import atomic_directory
 from eqjax.models import KVCache
@@ -111,11 +113,13 @@ def _decode_step(model: Any) -> Any:
 
 
 def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int | None = 4,
-                  context_length: int | None = None, fuse: bool = True) -> tuple[onnx.ModelProto, dict]:
+                  context_length: int | None = None, fuse: bool = True,
+                  store: TensorStore | None = None) -> tuple[onnx.ModelProto, dict]:
     """The decoder graph of an eqjax :class:`~eqjax.models.Model` with ``params`` (float or quantized).
 
     Returns ``(model_proto, info)``; ``info`` counts the fused and quantized ops and lists params that
-    had to be dequantized to float.
+    had to be dequantized to float. ``store``: where the initializers go as they are made (default: inside
+    the ``ModelProto``; a spilling :class:`~eqjax.export.tensors.TensorStore` keeps them out of memory).
     """
     import jax
     from jax import export as jexport
@@ -137,7 +141,7 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
         raise ExportError(f"the decoder step has {len(prog.opaque)} loop/cond nodes over params; unroll them to export")
     an = analyze(prog)
 
-    g = Graph({"batch": ("input_ids", 0), "seq": ("input_ids", 1), "cache": ("past_key_values.0.key", 2)})
+    g = Graph({"batch": ("input_ids", 0), "seq": ("input_ids", 1), "cache": ("past_key_values.0.key", 2)}, store=store)
     g.inputs += [value_info("input_ids", np.int64, ["batch_size", "sequence_length"]),
                  value_info("attention_mask", np.int64, ["batch_size", "total_sequence_length"]),
                  value_info("position_ids", np.int64, ["batch_size", "sequence_length"])]
@@ -174,7 +178,7 @@ def build_decoder(model: Any, params: Mapping[str, Any], *, accuracy_level: int 
     proto = g.finish(f"eqjax_{getattr(c, 'model_type', 'decoder')}")
     if fuse:
 
-        info["packed_matmuls"] = pack_siblings(proto)
+        info["packed_matmuls"] = pack_siblings(proto, g.store)
         info["packed_attention"] = fuse_packed_attention(proto)
     return proto, info
 
@@ -288,42 +292,64 @@ def tokenizer_files(tok: Any, *, chat_template: str | None, context_length: int)
     return files
 
 
-def export_package(model: Any, params: Mapping[str, Any], out: str | os.PathLike[str], *, tokenizer: Any,
-                   chat_template: str | None = None, target: str = "cpu", accuracy_level: int | None = None,
-                   context_length: int | None = None, recipe: str = "", overwrite: bool = False,
-                   check: bool = True, fuse: bool = True) -> dict:
+def export_package(model: Any, params: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+                   out: str | os.PathLike[str], *, tokenizer: Any, chat_template: str | None = None,
+                   target: str = "cpu", accuracy_level: int | None = None, context_length: int | None = None,
+                   recipe: str = "", overwrite: bool = False, check: bool = True, fuse: bool = True,
+                   reference_params: Any = None) -> dict:
     """Write the package directory ``out`` (atomically); returns the manifest (also eqjax_export.json).
 
+    ``params``: the (quantized) params, or a zero-argument function returning them: then the writer holds the
+    only reference and drops it before onnxruntime loads the package, so the params and onnxruntime's copy of
+    the weights are never in memory together (what a model near the memory's size needs). The weights are
+    written to ``model.onnx.data`` as the graph is built (:class:`~eqjax.export.tensors.TensorStore`).
     ``target`` picks the MatMulNBits accuracy level (:data:`TARGETS`) unless ``accuracy_level`` is given.
     ``check`` runs ``onnx.checker`` and compares onnxruntime's logits with eqjax's on a short prompt and one
-    decode step (tolerances in :func:`eqjax.export.runtime.check_against_eqjax`).
+    decode step (tolerances in :func:`eqjax.export.runtime.check_against_eqjax`; eqjax's logits computed one
+    decoder block at a time). ``reference_params``: the same params read on demand
+    (:class:`~eqjax.io.hf.StreamedParams`, e.g. of the checkpoint ``params`` were loaded from): eqjax's logits
+    are then computed from them after ``params`` are dropped, one block resident at a time.
     """
 
     if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}; choose one of {sorted(TARGETS)}")
     level = TARGETS[target][0] if accuracy_level is None else int(accuracy_level)
-    proto, info = build_decoder(model, params, accuracy_level=level, context_length=context_length, fuse=fuse)
-    ctx_len = info["context_length"]
-    manifest = {"recipe": recipe, "target": target, "accuracy_level": level, **info}
+    params = params() if callable(params) else params
     with atomic_directory(out, overwrite=overwrite) as tmp:
         tmp = pathlib.Path(tmp)
-        onnx.save_model(proto, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="model.onnx.data", size_threshold=1024)
+        # initializers go to disk as they are made: the graph of a model holds no second copy of its weights
+        store = TensorStore(tmp / "model.onnx.spill")
+        try:
+            proto, info = build_decoder(model, params, accuracy_level=level, context_length=context_length,
+                                        fuse=fuse, store=store)
+            store.save(proto, tmp / "model.onnx", location=DATA_FILE)
+        finally:
+            store.close()
         del proto
+        release_free_memory()  # the build's temporaries: freed heap pages go back before the check's programs
+        ctx_len = info["context_length"]
+        manifest = {"recipe": recipe, "target": target, "accuracy_level": level, **info}
+        reference = None
+        if check:
+
+            ids = tokenizer.encode(CHECK_TEXT)[:16] if tokenizer is not None else None
+            # int8 activations (W8A8, or accuracy level 4) round differently once float sums differ in the
+            # last bit, and a flipped code propagates: those get the loose tolerance, the rest the tight one
+            act_q = level != 0 or any(isinstance(v, ActQuantKernel) for _, v in flatten(params))
+            if reference_params is None:
+                reference = eqjax_reference(model, params, accuracy_level=4 if act_q else 0, tokens=ids)
+        del params  # the caller's loader left this the only reference: onnxruntime gets the memory
+        release_free_memory()
+        if check and reference_params is not None:
+            reference = eqjax_reference(model, reference_params, accuracy_level=4 if act_q else 0, tokens=ids)
         if check:
             onnx.checker.check_model(str(tmp / "model.onnx"))
         files = {"genai_config.json": json.dumps(genai_config(model, tokenizer, context_length=ctx_len), indent=4)}
         files.update(tokenizer_files(tokenizer, chat_template=chat_template, context_length=ctx_len))
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        if check:
-
-            ids = tokenizer.encode(CHECK_TEXT)[:16] if tokenizer is not None else None
-
-            # int8 activations (W8A8, or accuracy level 4) round differently once float sums differ in the
-            # last bit, and a flipped code propagates: those get the loose tolerance, the rest the tight one
-            act_q = level != 0 or any(isinstance(v, ActQuantKernel) for _, v in flatten(params))
-            manifest["check"] = check_against_eqjax(model, params, tmp, accuracy_level=4 if act_q else 0, tokens=ids)
+        if reference is not None:
+            manifest["check"] = compare_with_eqjax(tmp, reference)
         manifest["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         manifest["bytes"] = sum(manifest["files"].values())
         (tmp / "eqjax_export.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")

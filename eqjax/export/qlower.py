@@ -119,8 +119,14 @@ def _pack(c: np.ndarray, bits: int) -> np.ndarray:
     pad = (-c.shape[-1]) % n
     if pad:
         c = np.concatenate([c, np.zeros(c.shape[:-1] + (pad,), c.dtype)], axis=-1)
-    c = c.reshape(c.shape[:-1] + (-1, n)).astype(np.uint32)
-    return np.sum(c << (np.arange(n, dtype=np.uint32) * bits), axis=-1).astype(np.uint8)
+    out = np.zeros(c.shape[:-1] + (c.shape[-1] // n,), np.uint8)
+    src, dst = c.reshape(-1, c.shape[-1]), out.reshape(-1, out.shape[-1])
+    step = max(1, _PIECE // max(1, c.shape[-1]))
+    for lo in range(0, src.shape[0], step):  # rows a piece at a time, field by field in uint8: an LM head's
+        part = dst[lo:lo + step]               # 5e8 codes get no full-size temporary
+        for j in range(n):
+            part |= (src[lo:lo + step, j::n].astype(np.uint8) << np.uint8(bits * j)).astype(np.uint8)
+    return out
 
 
 def _matrix(a: np.ndarray, contracting: tuple[int, ...], free: tuple[int, ...], index: tuple = ()) -> np.ndarray:
@@ -180,9 +186,44 @@ def _block_size(q: QArray, contracting: tuple[int, ...], shape: tuple[int, ...],
     return max(16, 1 << (K - 1).bit_length())
 
 
+_PIECE = 1 << 22
+"""Elements of a weight :func:`blocked` converts at a time (its int32 / float32 temporaries: about 0.1 GB)."""
+
+
+def _rows_of(q: QArray, axis: int, lo: int, hi: int) -> QArray:
+    """Positions ``[lo, hi)`` of ``q`` along ``axis``: an axis that is neither grouped nor packed, whose scales
+    are per position or shared (size 1)."""
+    def cut(a: Any) -> Any:
+        return a if a is None or a.shape[axis] == 1 else a[(slice(None),) * axis + (slice(lo, hi),)]
+
+    shape = tuple(hi - lo if i == axis else d for i, d in enumerate(q.shape))
+    return dataclasses.replace(q, values=cut(q.values), scale=cut(q.scale), zero_point=cut(q.zero_point), shape=shape)
+
+
 def blocked(q: QArray, contracting: tuple[int, ...], free: tuple[int, ...], index: tuple = (), *,
             path: str = "weight") -> Blocked:
-    """The canonical blocked form of ``q`` for a use with these param axes (see the module docs)."""
+    """The canonical blocked form of ``q`` for a use with these param axes (see the module docs); a large
+    weight is converted in pieces of output rows (along its first free axis), so its temporaries stay small."""
+    f = free[0] if free else None
+    n = q.shape[f] if f is not None else 1
+    if f is None or q.size <= _PIECE or (q.packed and q.pack_axis == f) or f in q.granularity.axes \
+            and q.granularity.kind == "group":
+        return _blocked(q, contracting, free, index, path)
+    step = max(1, _PIECE // max(1, q.size // n))
+    out: list[np.ndarray] = []
+    row = 0
+    for lo in range(0, n, step):  # each piece written into the whole result: no list of pieces beside it
+        b = _blocked(_rows_of(q, f, lo, min(lo + step, n)), contracting, free, index, path)
+        if not out:
+            rows = b.N // min(step, n) * n  # rows per position along the axis, times its positions
+            out = [np.empty((rows,) + a.shape[1:], a.dtype) for a in (b.codes, b.scales, b.zero_points)]
+        for dst, src in zip(out, (b.codes, b.scales, b.zero_points)):
+            dst[row:row + b.N] = src
+        row += b.N
+    return Blocked(*out, b.bits, b.block, b.K, row)
+
+
+def _blocked(q: QArray, contracting: tuple[int, ...], free: tuple[int, ...], index: tuple, path: str) -> Blocked:
     c = np.asarray(codes(q)).astype(np.int32)
     iv = np.asarray(integer_values(q)).astype(np.int32)
     zp = c - iv

@@ -9,6 +9,7 @@ exact length (fused ``GroupQueryAttention`` appends); ``cache="buffer"`` feeds f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from eqjax.evaluate import ulp_bumped
+from eqjax.evaluate import by_block_logits, is_streamed, ulp_bumped
 from eqjax.export.graph import ExportError
 
 __all__ = ["make_session", "Runner", "perplexity", "check_against_eqjax"]
@@ -119,6 +120,54 @@ def perplexity(runner: Runner, windows: np.ndarray) -> float:
     return float(math.exp(total / count))
 
 
+def eqjax_reference(model: Any, params: Any, *, accuracy_level: int | None = 0, prompt_len: int = 7, seed: int = 0,
+                    tokens: Any = None) -> dict:
+    """What :func:`compare_with_eqjax` holds a package to: the check tokens ``[1, T]``, eqjax's logits of them
+    and the tolerance (see :func:`check_against_eqjax`). Computed one decoder block at a time for eqjax's own
+    models (the dequantized weights of a large model never in memory together; ``params`` may then be read on
+    demand, :func:`eqjax.evaluate.is_streamed`), else with ``model.apply``."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, model.config.vocab, (1, prompt_len + 1)) if tokens is None else np.asarray(tokens)[None]
+
+    def logits(p: Any) -> np.ndarray:
+        if hasattr(model, "layer_names") and hasattr(model, "block"):
+            return by_block_logits(model, p, toks)
+        return np.asarray(model.apply(p, jnp.asarray(toks, jnp.int32))[0])
+
+    ref = logits(params)
+    scale = float(np.abs(ref).max())
+    tol, spread = 2e-3, None
+    if accuracy_level:
+
+        bumped = (dataclasses.replace(params, load=lambda paths: ulp_bumped(params.load(paths), 1))
+                  if is_streamed(params) else ulp_bumped(params, 1))
+        spread = float(np.abs(logits(bumped) - ref).max()) / scale
+        tol = max(0.1, 2 * spread)
+    return {"tokens": toks, "logits": ref, "tolerance": tol, "spread": spread}
+
+
+def compare_with_eqjax(package: Any, reference: dict) -> dict:
+    """Prefill and one decode step of ``reference``'s tokens in onnxruntime against its logits (from
+    :func:`eqjax_reference`); raises :class:`~eqjax.export.graph.ExportError` beyond its tolerance."""
+    toks, ref, tol = reference["tokens"], reference["logits"], reference["tolerance"]
+    prompt_len = toks.shape[1] - 1
+    r = Runner(make_session(package))
+    # onnxruntime-genai's shared buffer (fixed slots), which fused and fallback graphs both take
+    lg, past = r._run(toks[:, :prompt_len], r.empty(1, toks.shape[1]), 0)
+    lg2, _ = r._run(toks[:, prompt_len:], past, prompt_len)
+    got = np.concatenate([lg, lg2], 1)
+    rel = float(np.abs(got - ref).max()) / float(np.abs(ref).max())
+    top1 = float(np.mean(np.argmax(got, -1) == np.argmax(ref, -1)))
+    out = {"max_rel_diff": rel, "tolerance": tol, "eqjax_one_ulp_spread": reference["spread"],
+           "top1_agreement": top1, "tokens": int(toks.shape[1])}
+    if not rel <= tol:
+        raise ExportError(f"the exported graph's logits differ from eqjax's by {rel:.3g} of their range (> {tol}); "
+                          "the package was not written")
+    return out
+
+
 def check_against_eqjax(model: Any, params: Any, package: Any, *, accuracy_level: int | None = 0,
                         prompt_len: int = 7, seed: int = 0, tokens: Any = None) -> dict:
     """Prefill and one decode step of a random prompt in onnxruntime vs eqjax's ``model.apply``.
@@ -131,30 +180,6 @@ def check_against_eqjax(model: Any, params: Any, package: Any, *, accuracy_level
     ulp); the tolerance is ``max(0.1, 2 x that spread)`` (on SmolLM2 W8A8 the one-ulp spread alone reaches
     0.11 of the logit range). Raises :class:`~eqjax.export.graph.ExportError` beyond.
     """
-    import jax.numpy as jnp
-
-
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, model.config.vocab, (1, prompt_len + 1)) if tokens is None else np.asarray(tokens)[None]
-    prompt_len = toks.shape[1] - 1
-    ref = np.asarray(model.apply(params, jnp.asarray(toks, jnp.int32))[0])
-    r = Runner(make_session(package))
-    # onnxruntime-genai's shared buffer (fixed slots), which fused and fallback graphs both take
-    lg, past = r._run(toks[:, :prompt_len], r.empty(1, toks.shape[1]), 0)
-    lg2, _ = r._run(toks[:, prompt_len:], past, prompt_len)
-    got = np.concatenate([lg, lg2], 1)
-    scale = float(np.abs(ref).max())
-    rel = float(np.abs(got - ref).max()) / scale
-    tol, spread = 2e-3, None
-    if accuracy_level:
-
-        bump = ulp_bumped(params, 1)
-        spread = float(np.abs(np.asarray(model.apply(bump, jnp.asarray(toks, jnp.int32))[0]) - ref).max()) / scale
-        tol = max(0.1, 2 * spread)
-    top1 = float(np.mean(np.argmax(got, -1) == np.argmax(ref, -1)))
-    out = {"max_rel_diff": rel, "tolerance": tol, "eqjax_one_ulp_spread": spread, "top1_agreement": top1,
-           "tokens": int(toks.shape[1])}
-    if not rel <= tol:
-        raise ExportError(f"the exported graph's logits differ from eqjax's by {rel:.3g} of their range (> {tol}); "
-                          "the package was not written")
-    return out
+    ref = eqjax_reference(model, params, accuracy_level=accuracy_level, prompt_len=prompt_len, seed=seed,
+                          tokens=tokens)
+    return compare_with_eqjax(package, ref)

@@ -67,6 +67,10 @@ from eqjax.models import Model
 __all__ = ["FORMAT", "FormatError", "check_recipe", "is_compressed_tensors", "load_compressed_tensors",
            "save_compressed_tensors", "save_compressed_tensors_streamed", "TOKENIZER_FILES", "WEIGHT_BITS"]
 
+_PIECE = 1 << 22
+"""Codes of a 2..4-bit weight unpacked at a time while it is read (an LM head's 5e8 codes are never unpacked
+whole)."""
+
 FORMAT = "compressed-tensors"
 
 
@@ -340,7 +344,7 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         used.add(f"{stem}.weight")
         if raw.dtype != np.int8 or raw.shape != (n_out, n_in):
             raise FormatError(f"{where}.weight: expected int8 {(n_out, n_in)}, found {raw.dtype} {raw.shape}")
-        unpacked = lambda: (raw.astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8)  # noqa: E731
+        unpacked = lambda lo, hi: (raw[lo:hi].astype(np.int32) + 2 ** (bits - 1)).astype(np.uint8)  # noqa: E731
     else:
         packed = need("weight_packed")
         used |= {f"{stem}.weight_packed", f"{stem}.weight_shape"}
@@ -350,7 +354,7 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         shape = tuple(int(x) for x in np.asarray(need("weight_shape")).reshape(-1))
         if shape != (n_out, n_in):
             raise FormatError(f"{where}.weight_shape: {shape}, config.json implies {(n_out, n_in)}")
-        unpacked = lambda: unpack_int32(packed, bits, n_in)  # noqa: E731
+        unpacked = lambda lo, hi: unpack_int32(packed[lo:hi], bits, n_in)  # noqa: E731
     stored_scale = need("weight_scale")
     groups = {"group": -(-n_in // int(w.get("group_size") or 1)), "channel": 1, "tensor": 1}.get(strategy)
     if groups is None:
@@ -374,7 +378,6 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         need("input_scale")
     if not decode:
         return [None] * len(t.paths), used
-    u = unpacked()
     scale = np.asarray(stored_scale).astype(np.float32)
     if strategy == "tensor":
         scale = np.broadcast_to(scale.reshape(-1)[:1], (n_out, 1))
@@ -395,22 +398,28 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         act_kw = {"act_scale": act_scale, "act_bits": 8, "act_granularity": "tensor" if static else "token"}
     bounds = np.cumsum([0] + [s[-1] for s in t.shapes]).tolist()
     parts = []
-    for path, rows in zip(t.paths, (slice(a, b) for a, b in zip(bounds, bounds[1:]))):  # slices: views, not copies
-        q = _qarray(u[rows].T, scale[rows].T, None if zp is None else zp[rows].T, bits, gran,
-                    f"{'/'.join(path)} ({where})", tensor=strategy == "tensor")
+    u = unpacked(0, n_out) if bits > 4 else None  # 2..4 bits: unpacked and packed again a piece of rows at a time
+    step = max(1, _PIECE // max(1, n_in))
+    for path, (a, b) in zip(t.paths, zip(bounds, bounds[1:])):
+        rows = slice(a, b)  # slices: views, not copies
+        codes: Any = u[rows].T if u is not None else jnp.concatenate(
+            [pack_codes(unpacked(lo, min(lo + step, b)).T, bits) for lo in range(a, b, step)], axis=1)
+        q = _qarray(codes, scale[rows].T, None if zp is None else zp[rows].T, bits, gran,
+                    f"{'/'.join(path)} ({where})", tensor=strategy == "tensor", shape=(n_in, b - a))
         parts.append(q if act_kw is None else ActQuantKernel(q, **act_kw))
     return parts, used
 
 
-def _qarray(u: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, bits: int, gran: Any, where: str, *,
-            tensor: bool) -> QArray:
-    """A QArray ``[in, out]`` from the format's unsigned codes, scales ``[groups, out]`` and zero points."""
+def _qarray(u: Any, scale: np.ndarray, zp: np.ndarray | None, bits: int, gran: Any, where: str, *,
+            tensor: bool, shape: tuple[int, int]) -> QArray:
+    """A QArray ``[in, out]`` (``shape``) from the format's unsigned codes ``u [in, out]`` (2..4 bits: already in
+    eqjax's packed form, :func:`~eqjax.io.hf_quantized.pack_codes`), scales ``[groups, out]`` and zero points."""
     if tensor:
         scale = scale[:1, :1]
         zp = None if zp is None else zp[:1, :1]
     offset = 2 ** (bits - 1)
     if bits <= 4:
-        values = pack_codes(u, bits)
+        values = u
         sym = zp is None
     elif zp is None and u.min(initial=offset) > 0:  # symmetric int8 values in [-127, 127]
         values, sym = (u.astype(np.int32) - offset).astype(np.int8), True
@@ -418,7 +427,7 @@ def _qarray(u: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, bits: int, 
         values, sym = u, False
         zp = np.full(scale.shape, offset, np.uint8) if zp is None else zp
     q = QArray(jnp.asarray(values), jnp.asarray(scale), None if sym else jnp.asarray(zp.astype(np.uint8)), bits, sym,
-               gran.normalized(2), tuple(u.shape))
+               gran.normalized(2), tuple(shape))
     try:
         return validate(q, name=where)
     except ValueError as e:
@@ -466,7 +475,7 @@ def load_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = j
     Raises :class:`FormatError` / :class:`~eqjax.io.hf.CheckpointError` naming the file and tensor for a
     scheme eqjax cannot hold (float8, 2/3-bit, activation-ordered groups, sparsity) or a malformed tensor.
     """
-    config, tensors, origin, root, take = _open(directory, lazy=False)
+    config, tensors, origin, root, take = _open(directory, lazy=True)  # mapped: one stored tensor resident at a time
     return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)
 
 

@@ -287,7 +287,7 @@ def load_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) ->
     """``(Model, params)`` of a GPTQ directory: its quantized linears as QArrays from the stored integers, the
     rest float (``dtype``). Raises :class:`FormatError` naming the file and tensor for what eqjax cannot hold
     (2/3-bit, activation-ordered groups, a malformed tensor)."""
-    config, tensors, origin, root, take = _open(directory, lazy=False)
+    config, tensors, origin, root, take = _open(directory, lazy=True)  # mapped: one stored tensor resident at a time
     return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)
 
 

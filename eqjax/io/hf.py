@@ -333,7 +333,9 @@ def load_hf_checkpoint(directory: str | os.PathLike[str], *, dtype: Any = jnp.fl
         unexpected tensors, a quantized checkpoint (``quantization_config``: read those with
         :func:`eqjax.io.load.load_model`).
     """
-    config, raw, tensors, origin = read_checkpoint(directory)
+    # memory-mapped: each stored tensor is read as it is converted and released after, so loading holds the
+    # params and one tensor, not a second copy of the checkpoint
+    config, raw, tensors, origin = read_checkpoint(directory, lazy=True)
     _refuse_quantized(directory, raw)
     return Model(config), assemble_params(config, tensors, origin, Path(directory), dtype=dtype)
 

@@ -67,19 +67,41 @@ def _fq(w2: jax.Array, use: Any, spec: QuantSpec) -> jax.Array:
     return slice_to_matrix(fake_quantize(matrix_to_slice(w2, use), spec), use)
 
 
-@functools.partial(jax.jit, static_argnames=("uses", "specs", "n_grid"))
-def _scale_losses(ws: tuple, x_mean: jax.Array, h: jax.Array, tie: jax.Array, *, uses: tuple, specs: tuple,
-                  n_grid: int) -> jax.Array:
-    def loss(r):
-        s = jnp.maximum(x_mean**r, 1e-4)
-        s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
-        se = s[tie][:, None]
-        total = 0.0
-        for w, u, spec in zip(ws, uses, specs):  # uses: MatrixLayouts (static)
-            total = total + _out_err(w - _fq(w * se, u, spec) / se, h)
-        return total
+_PIECE = 1 << 25
+"""Elements of one ``[K, n]`` column piece of a weight in the searches (128 MiB of float32): a wide weight (an LM
+head of 128k outputs) is searched piece by piece, each piece one compiled call."""
 
-    return jax.lax.map(loss, jnp.arange(n_grid, dtype=jnp.float32) / n_grid)
+
+def _pieces(layout: Any, spec: QuantSpec) -> list[tuple[Any, int, int]]:
+    """``(layout of the piece, first column, end column)`` of the canonical ``[K, N]`` matrix of ``layout``, cut
+    along the param's first free axis where quantization keeps its positions apart (groups along other axes, or
+    a scale per position); one piece where it does not or the weight is small. Output columns are independent in
+    both searches, so the pieces' losses add up to the whole weight's and their clips are its clip."""
+    f = layout.free[0] if layout.free else None
+    g = spec.granularity
+    apart = f is not None and ((g.kind == "group" and f not in g.axes) or (g.kind == "channel" and f in g.axes))
+    if not apart or layout.k * layout.n <= _PIECE:
+        return [(layout, 0, layout.n)]
+    inner = layout.n // layout.shape[f]  # canonical columns per position along f (f leads the column order)
+    step = max(1, _PIECE // (layout.k * inner))
+    out = []
+    for lo in range(0, layout.shape[f], step):
+        hi = min(lo + step, layout.shape[f])
+        out.append((layout._replace(shape=tuple(hi - lo if a == f else d for a, d in enumerate(layout.shape))),
+                    lo * inner, hi * inner))
+    return out
+
+
+@jax.jit
+def _ratio_scale(x_mean: jax.Array, r: jax.Array) -> jax.Array:
+    s = jnp.maximum(x_mean**r, 1e-4)
+    return s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "spec"))
+def _scaled_err(w: jax.Array, se: jax.Array, h: jax.Array, *, layout: Any, spec: QuantSpec) -> jax.Array:
+    """Output error of ``w [K, n]`` with ``W -> Q(diag(se) W) / se`` (``se [K, 1]``)."""
+    return _out_err(w - _fq(w * se, layout, spec) / se, h)
 
 
 def search_scale(ws: Sequence[jax.Array], uses: Sequence[WeightUse], specs: Sequence[QuantSpec], x_mean: jax.Array,
@@ -87,18 +109,27 @@ def search_scale(ws: Sequence[jax.Array], uses: Sequence[WeightUse], specs: Sequ
     """Best AWQ scale for canonical weights ``ws`` (``[K, N_i]``) sharing an input.
 
     ``x_mean``: mean |x| per *tied* channel; ``tie [K]`` maps each input to its tied channel;
-    ``h = X^T X / n [K, K]``. Returns ``(s per tied channel, best r, losses [n_grid])``.
+    ``h = X^T X / n [K, K]``. Returns ``(s per tied channel, best r, losses [n_grid])``. Each ratio, and each
+    column piece of a wide weight, is one compiled call (an interrupt lands between them; memory stays at a
+    piece's).
     """
     x_mean = jnp.asarray(x_mean, jnp.float32)
-    losses = np.asarray(_scale_losses(tuple(jnp.asarray(w, jnp.float32) for w in ws), x_mean,
-                                      jnp.asarray(h, jnp.float32), jnp.asarray(tie), uses=tuple(getattr(u, "layout", u) for u in uses),
-                                      specs=tuple(specs), n_grid=n_grid))
+    h = jnp.asarray(h, jnp.float32)
+    tie_j = jnp.asarray(tie)
+    ws = [jnp.asarray(w, jnp.float32) for w in ws]
+    plans = [_pieces(getattr(u, "layout", u), spec) for u, spec in zip(uses, specs)]
+    losses = np.zeros(n_grid)
+    for i in range(n_grid):
+        se = _ratio_scale(x_mean, jnp.float32(i / n_grid))[tie_j][:, None]
+        for w, spec, plan in zip(ws, specs, plans):
+            for layout, lo, hi in plan:
+                piece = w if len(plan) == 1 else w[:, lo:hi]
+                losses[i] += float(_scaled_err(piece, se, h, layout=layout, spec=spec))
     if not np.all(np.isfinite(losses)):
         raise InputError("awq: non-finite loss in the scale search (check the calibration data)")
     best = int(np.argmin(losses))
     r = best / n_grid
-    s = jnp.maximum(x_mean**r, 1e-4)
-    return s / jnp.sqrt(jnp.max(s) * jnp.min(s)), r, losses
+    return _ratio_scale(x_mean, jnp.float32(r)), r, losses
 
 
 @functools.partial(jax.jit, static_argnames=("use", "spec", "ratios", "blocks"))
@@ -129,7 +160,8 @@ def _clip(w2: jax.Array, h: jax.Array, *, use: Any, spec: QuantSpec, ratios: tup
 def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *, max_shrink: float = 0.5,
                 clip_grid: int = 20) -> jax.Array:
     """``w2 [K, N]`` clamped per (grid block, output) to the ``max|w|`` shrink minimizing the block's
-    partial-output error ``e^T H_bb e`` after fake quantization with ``spec`` (the param's layout)."""
+    partial-output error ``e^T H_bb e`` after fake quantization with ``spec`` (the param's layout); a wide
+    weight is searched one column piece at a time."""
     gran = spec.granularity
     dims = tuple(use.shape[a] for a in use.contracting)
     gid, ng = gran_group_ids(dims, gran)
@@ -138,8 +170,14 @@ def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *,
                    for g in range(ng))
     n = max(1, int(round(max_shrink * clip_grid)))
     ratios = tuple(1.0 - i / clip_grid for i in range(n))
-    return _clip(jnp.asarray(w2, jnp.float32), jnp.asarray(h, jnp.float32), use=getattr(use, "layout", use), spec=spec, ratios=ratios,
-                 blocks=blocks)
+    w2, h = jnp.asarray(w2, jnp.float32), jnp.asarray(h, jnp.float32)
+    plan = _pieces(getattr(use, "layout", use), spec)
+    if len(plan) == 1:
+        return _clip(w2, h, use=plan[0][0], spec=spec, ratios=ratios, blocks=blocks)
+    out = np.empty(w2.shape, np.float32)  # filled piece by piece: no list of pieces beside the result
+    for layout, lo, hi in plan:
+        out[:, lo:hi] = np.asarray(_clip(w2[:, lo:hi], h, use=layout, spec=spec, ratios=ratios, blocks=blocks))
+    return jnp.asarray(out)
 
 
 def apply_fold(params: dict[str, Any], fold: Fold, s: jax.Array, tie: np.ndarray) -> dict[str, Any]:

@@ -247,7 +247,7 @@ def test_every_subcommand_takes_low_memory(argv):
 
 
 def test_low_memory_fixes_the_threshold_first_and_warns_where_it_cannot(tiny, monkeypatch, capsys):
-    """``--low-memory`` calls :func:`eqjax.cli.hostmem.fix_mmap_threshold` once, before the command runs; where
+    """``--low-memory`` calls :func:`eqjax.core.hostmem.fix_mmap_threshold` once, before the command runs; where
     the C library takes no threshold, one warning line and the command goes on (here: to its own error)."""
     import eqjax.cli.main as cli_main
 

@@ -108,6 +108,21 @@ def test_export_onnx_compressed_tensors_checkpoint(fx, tmp_path, monkeypatch):
     assert (tmp_path / "m" / "chat_template.jinja").read_text() == TEMPLATE
 
 
+def test_check_reference_read_block_by_block_equals_the_loaded_models(fx):
+    """The self-check's eqjax logits from the checkpoint read one block at a time (what export-onnx does for a
+    checkpoint that is its own model, after dropping the loaded params) equal those of the loaded params, bit for
+    bit, with the one-ulp spread of the int8-activation tolerance too."""
+    from eqjax.export.runtime import eqjax_reference
+    from eqjax.io.load import load_model, stream_model
+
+    model, params, _ = load_model(fx["ct"])
+    streamed = stream_model(fx["ct"])[1]
+    for level in (0, 4):
+        a, b = (eqjax_reference(model, p, accuracy_level=level) for p in (params, streamed))
+        np.testing.assert_array_equal(a["logits"], b["logits"])
+        assert (a["tolerance"], a["spread"]) == (b["tolerance"], b["spread"])
+
+
 def test_export_gguf_orbax_checkpoint_is_the_recipe_export(fx, tmp_path, capsys, monkeypatch):
     """``export-gguf --checkpoint`` of a checkpoint made for the GGUF --model: the tensors (Q4_0 blocks) equal
     those of ``export-gguf --recipe`` with the same recipe, with no quantizing on the checkpoint's way."""

@@ -208,3 +208,29 @@ def test_self_check_with_int8_activations_catches_a_wrong_graph(tiny, tmp_path):
     wrong = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, qp)
     with pytest.raises(ExportError, match="differ from eqjax's"):
         check_against_eqjax(model, wrong, path, accuracy_level=4)
+
+
+def test_params_handed_over_are_released_before_onnxruntime_loads(tiny, tmp_path, monkeypatch):
+    """Given a loader, the writer holds the only reference to the params and drops it before the onnxruntime
+    check: the weights are never in memory twice (what a model near the memory's size needs)."""
+    import weakref
+
+    import eqjax.export.package as package
+
+    model, params, tok = tiny
+    held = [jax.tree.map(lambda x: x.copy(), _w4(model, params))]  # shares no float leaf with the fixture's
+    leaves = [weakref.ref(x) for x in jax.tree.leaves(held[0]) if isinstance(x, jax.Array)]
+    assert leaves
+    alive_at_check = []
+    compare = package.compare_with_eqjax
+
+    def spy(pkg, reference):
+        import gc
+
+        gc.collect()
+        alive_at_check.append(sum(r() is not None for r in leaves))
+        return compare(pkg, reference)
+
+    monkeypatch.setattr(package, "compare_with_eqjax", spy)
+    man = export_package(model, held.pop, tmp_path / "pkg", tokenizer=tok)
+    assert alive_at_check == [0] and man["check"]["max_rel_diff"] <= man["check"]["tolerance"]

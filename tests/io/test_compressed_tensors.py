@@ -22,6 +22,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 
 from compressed_tensors.config import CompressionFormat  # noqa: E402
 from compressed_tensors.quantization import QuantizationScheme  # noqa: E402
 
+import eqjax.cli.sources as sources  # noqa: E402
 from eqjax.cli.main import main  # noqa: E402
 from eqjax.core.numerics import dequantize_leaf  # noqa: E402
 from eqjax.core.qarray import ActQuantKernel, QArray  # noqa: E402
@@ -34,6 +35,7 @@ from eqjax.io.compressed_tensors import (  # noqa: E402
 )
 from eqjax.io.hf import load_hf_checkpoint  # noqa: E402
 from eqjax.io.hf_quantized import pack_int32, unpack_int32  # noqa: E402
+from eqjax.io.load import stream_model  # noqa: E402
 from eqjax.recipes.apply import quantize  # noqa: E402
 from eqjax.recipes.registry import get_recipe  # noqa: E402
 
@@ -106,6 +108,19 @@ def test_round_trip_keeps_every_weight(quantized, name: str) -> None:
     if name.startswith("w4"):  # 160 inputs in groups of 128 + 32, written as groups of 32 (the same values)
         assert info["schemes"]["model.layers.0.self_attn.q_proj"]["weights"]["group_size"] == 32
         assert "model.layers.0.self_attn.q_proj" in info["regrouped"]
+
+
+@pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym"])
+def test_codes_read_a_piece_of_rows_at_a_time_are_the_whole_reading(quantized, name: str, monkeypatch) -> None:
+    """4-bit codes are unpacked and packed again a few output rows at a time (an LM head's are never unpacked
+    whole): the same QArrays, bit for bit, as with every weight in one piece."""
+    import eqjax.io.compressed_tensors as ct
+
+    _, _, d, _ = quantized[name]
+    _, whole = load_compressed_tensors(d)
+    monkeypatch.setattr(ct, "_PIECE", 3 * 160)  # three rows of 160 inputs a piece: fused parts cut mid-way
+    _, cut = load_compressed_tensors(d)
+    _same_leaves(cut, whole)
 
 
 @pytest.mark.parametrize("name", ["w4g128-rtn", "w4g128-rtn-sym", "w8-zeropoint", "w8a8-smoothquant"])
@@ -244,7 +259,7 @@ def test_activation_ordered_groups_are_refused(quantized, tmp_path) -> None:
             read(bad)
 
 
-def test_cli_quantize_to_compressed_tensors_then_eval(fp_dir, tmp_path, capsys) -> None:
+def test_cli_quantize_to_compressed_tensors_then_eval(fp_dir, tmp_path, capsys, monkeypatch) -> None:
     from tests.robustness.robustness_fixtures import TEXT, _byte_tokenizer
 
     src = tmp_path / "src"
@@ -274,6 +289,15 @@ def test_cli_quantize_to_compressed_tensors_then_eval(fp_dir, tmp_path, capsys) 
     assert abs(by_block["ppl"] / whole["ppl"] - 1) <= 1e-5
     for k in ("size_bytes", "w_bits", "a_bits", "eval_tokens"):
         assert by_block[k] == whole[k], k
+    # a model whose float32 weights exceed the available memory is evaluated block at a time, and says so
+    n_float = 4 * sum(int(np.prod(s)) for s in jax.tree.leaves(
+        stream_model(out)[0].param_shapes(), is_leaf=lambda x: isinstance(x, tuple)))
+    for avail, auto in ((n_float - 1, True), (n_float + 1, False)):
+        capsys.readouterr()
+        monkeypatch.setattr(sources, "_available_bytes", lambda a=avail: a)
+        assert main(["eval", "--checkpoint", str(out), *common, "--json", str(tmp_path / f"a{auto}.json")]) == 0
+        assert ("one decoder block at a time" in capsys.readouterr().err) == auto
+        assert json.loads((tmp_path / f"a{auto}.json").read_text())["ppl"] == (by_block if auto else whole)["ppl"]
     assert main(["quantize", "--model", str(src), "--recipe", "kv8", "--out", str(tmp_path / "x"),
                  "--format", "compressed-tensors"]) == 2
     assert "cannot be written as compressed-tensors" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 from eqjax.core.analysis import MatrixLayout
 from eqjax.core.errors import RecipeError
 from eqjax.core.numerics import QuantSpec, fake_quantize
-from eqjax.core.qarray import per_group, per_input_group
+from eqjax.core.qarray import per_group, per_input_group, per_tensor
 from eqjax.methods.awq import AWQ, search_clip, search_scale
 from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
@@ -93,6 +93,33 @@ def test_search_scale_and_clip_reduce_layer_error(n_in):
     assert wc.shape == w.shape
     e_clip = err(np.asarray(fake_quantize(wc, spec)) / se)
     assert e_clip <= e_awq * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("layout,gran,pieces", [
+    (MatrixLayout((48, 40), (0,), (1,)), per_group(0, 16), 10),  # [K, N]: pieces of 4 output columns
+    (MatrixLayout((48, 5, 8), (0,), (1, 2)), per_group(0, 16), 5),  # two free axes: pieces along the first
+    (MatrixLayout((48, 40), (0,), (1,)), per_tensor(), 1),  # one scale for everything: never cut
+])
+def test_wide_weights_searched_in_column_pieces_as_whole(layout, gran, pieces, monkeypatch):
+    """A weight wider than the piece size is searched one column piece at a time (an LM head of 128k outputs
+    would need several float32 copies of itself at once): the scale losses add up to the whole weight's to
+    float32 rounding, the same ratio wins, and every column gets the clip it gets when searched whole."""
+    import eqjax.methods.awq as awq
+
+    rng = np.random.default_rng(1)
+    K, N = layout.k, layout.n
+    x = rng.normal(size=(128, K)).astype(np.float32) * np.where(np.arange(K) < 3, 25.0, 1.0)
+    w = rng.normal(size=(K, N)).astype(np.float32)
+    h = x.T @ x / len(x)
+    spec = QuantSpec(4, False, gran, "minmax")
+    whole = search_scale([w], [layout], [spec], np.abs(x).mean(0), h, np.arange(K))
+    clip_whole = np.asarray(search_clip(jnp.asarray(w), h, layout, spec))
+    monkeypatch.setattr(awq, "_PIECE", K * 4)  # four columns a piece
+    assert len(awq._pieces(layout, spec)) == pieces
+    cut = search_scale([w], [layout], [spec], np.abs(x).mean(0), h, np.arange(K))
+    np.testing.assert_allclose(cut[2], whole[2], rtol=8 * N * np.finfo(np.float32).eps)
+    assert cut[1] == whole[1]
+    np.testing.assert_array_equal(np.asarray(search_clip(jnp.asarray(w), h, layout, spec)), clip_whole)
 
 
 def test_awq_needs_calibration(tiny):

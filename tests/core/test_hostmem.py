@@ -1,4 +1,4 @@
-"""eqjax.cli.hostmem: the fixed mmap threshold, and trimming the heap, return freed buffers to the system (glibc
+"""eqjax.core.hostmem: the fixed mmap threshold, and trimming the heap, return freed buffers to the system (glibc
 only)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eqjax.cli.hostmem import fix_mmap_threshold
+from eqjax.core.hostmem import fix_mmap_threshold
 
 ROOT = Path(__file__).resolve().parents[2]
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -21,7 +21,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 _FRAGMENT = textwrap.dedent("""
     import sys
     import numpy as np
-    from eqjax.cli.hostmem import fix_mmap_threshold, release_free_memory
+    from eqjax.core.hostmem import fix_mmap_threshold, release_free_memory
     if sys.argv[1] == "fixed":
         assert fix_mmap_threshold(1 << 20)
     def rss_mb():

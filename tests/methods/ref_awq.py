@@ -47,10 +47,11 @@ def awq_scale(x_mean, r):
     return s / np.sqrt(s.max() * s.min())
 
 
-def awq_losses(w, x, *, bits, group, symmetric, full_range, scale_dtype, n_grid):
+def awq_losses(w, x, *, bits, group, symmetric, full_range, scale_dtype, n_grid, factor_rank=None):
     """``(losses [n_grid], near [n_grid], bounds [n_grid])``: the float64 loss of every ``r``, whether a
     float32 implementation may round a code or a scale differently there, and a bound on how far a float32
-    implementation's loss may lie from it elsewhere (docstring of :func:`loss_bound`)."""
+    implementation's loss may lie from it elsewhere (docstring of :func:`loss_bound`; ``factor_rank``: the
+    implementation prices the loss through a float32 factor of ``H`` with that many columns)."""
     x = np.asarray(x, np.float64)
     w = np.asarray(w, np.float64)
     h = x.T @ x / len(x)
@@ -62,11 +63,11 @@ def awq_losses(w, x, *, bits, group, symmetric, full_range, scale_dtype, n_grid)
         e = w - qw / s
         losses.append(float(np.sum((h @ e) * e)))
         near.append(nr)
-        bounds.append(loss_bound(w, e, h, x_mean, i / n_grid))
+        bounds.append(loss_bound(w, e, h, x_mean, i / n_grid, factor_rank))
     return np.array(losses), np.array(near), np.array(bounds)
 
 
-def loss_bound(w, e, h, x_mean, r):
+def loss_bound(w, e, h, x_mean, r, factor_rank=None):
     """Float32 error bound of ``tr(E^T H E)`` with the codes fixed, first order in ``u = 2**-24``.
 
     ``s`` in float32: ``x**r`` is ``exp(r ln x)`` (``(|r ln x| + 2) u``), the normalization three more
@@ -75,13 +76,23 @@ def loss_bound(w, e, h, x_mean, r):
     product and quotient round twice, the difference once: ``|dE| <= (2 rho + 6 u) |w| + u |E|``. ``H`` is
     handed over in float64 and stored in float32 (``u |H|`` per entry). The loss then moves by at most
     ``2 |E|^T |H| |dE| + (K + 3) u |E|^T |H| |E|`` (the stored ``H``, the matmul over ``K`` terms, the
-    final sum); doubled for the neglected second-order terms."""
+    final sum); doubled for the neglected second-order terms.
+
+    Through a factor ``H ~ L L^T`` of ``r`` columns (``||L^T E||^2``): ``|L| |L|^T <= A``, ``A_ij =
+    sqrt(H_ii H_jj)`` (Cauchy-Schwarz, as ``(L L^T)_ii <= H_ii``) takes the place of ``|H|``; the stored ``L``,
+    the matmul over ``K`` terms squared and the sum over ``r`` give ``(2 K + r + 5) u |E|^T A |E|``; the factor
+    leaves out at most ``u tr(H) ||E||_F^2`` (its stopping rule)."""
     lnx = np.abs(np.log(np.maximum(x_mean, 1e-30)))
     rho = (float(np.max(r * lnx)) + 6) * rg.U32
     de = (2 * rho + 6 * rg.U32) * np.abs(w) + rg.U32 * np.abs(e)
-    ah, ae = np.abs(h), np.abs(e)
+    ae = np.abs(e)
     k = h.shape[0]
-    return 2 * float(2 * np.sum((ah @ ae) * de) + (k + 3) * rg.U32 * np.sum((ah @ ae) * ae))
+    if factor_rank is None:
+        ah, terms, left_out = np.abs(h), k + 3, 0.0
+    else:
+        d = np.sqrt(np.diag(h))
+        ah, terms, left_out = np.outer(d, d), 2 * k + factor_rank + 5, rg.U32 * np.trace(h) * np.sum(ae**2)
+    return 2 * float(2 * np.sum((ah @ ae) * de) + terms * rg.U32 * np.sum((ah @ ae) * ae) + left_out)
 
 
 def smooth_scales(x_absmax, w_absmax, alpha):

@@ -4,12 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eqjax.core.analysis import MatrixLayout
 from eqjax.core.errors import RecipeError
 from eqjax.core.numerics import QuantSpec, fake_quantize
 from eqjax.core.qarray import per_group, per_input_group, per_tensor
-from eqjax.methods.awq import AWQ, search_clip, search_scale
+from eqjax.methods.awq import AWQ, gram_factor, search_clip, search_scale
 from eqjax.methods.rtn import RTN
 from eqjax.models import LlamaConfig, Model
 from eqjax.recipes.apply import quantize
@@ -53,14 +55,14 @@ def test_awq_then_rtn_beats_rtn(tiny):
     assert e_awq < e_rtn, (e_awq, e_rtn)
 
 
-def _check_scale_search_against_reference(x, w, s, r, losses, n_grid=20):
+def _check_scale_search_against_reference(x, w, s, r, losses, n_grid=20, factor_rank=None):
     """The search against the float64 reference (:mod:`tests.methods.ref_awq`): every grid point's loss
     within the derived float32 bound (:func:`tests.methods.ref_awq.loss_bound`) except where a code or
     a stored scale sits within float32 rounding of a boundary (counted: none on these layers), the chosen
     ``r`` the reference's argmin (or within the bound of its minimum), and the scale ``s`` of that ``r``
     elementwise within ``(max |r ln x_mean| + 6) u`` relative (``x**r`` and its normalization in float32)."""
     ref, near, bound = awq_losses(w, x, bits=3, group=16, symmetric=False, full_range=False,
-                                  scale_dtype="float16", n_grid=n_grid)
+                                  scale_dtype="float16", n_grid=n_grid, factor_rank=factor_rank)
     assert losses.shape == (n_grid,)
     assert int(near.sum()) == 0, np.flatnonzero(near)  # no tie on these layers: every point is checked
     assert np.all(np.abs(losses - ref) <= bound), (losses, ref, bound)
@@ -93,6 +95,44 @@ def test_search_scale_and_clip_reduce_layer_error(n_in):
     assert wc.shape == w.shape
     e_clip = err(np.asarray(fake_quantize(wc, spec)) / se)
     assert e_clip <= e_awq * (1 + 1e-5)
+
+
+def test_scale_search_through_a_low_rank_factor():
+    """Fewer tokens than half the inputs (12 tokens, 40 inputs): the second moment has rank 12, the search prices
+    its losses through the pivoted-Cholesky factor, and every loss lies within that route's float32 bound of
+    the float64 reference, with the reference's choice of ratio."""
+    rng = np.random.default_rng(3)
+    n_in, t = 40, 12
+    x = rng.normal(size=(t, n_in)).astype(np.float32) * np.where(np.arange(n_in) < 2, 30.0, 1.0)
+    w = rng.normal(size=(n_in, 16)).astype(np.float32)
+    h = x.astype(np.float64).T @ x / t
+    factor = gram_factor(h)
+    assert factor is not None and factor.shape == (n_in, t)
+    spec = QuantSpec(3, False, per_group(0, 16), "minmax", scale_dtype="float16")
+    lay = MatrixLayout((n_in, 16), (0,), (1,))
+    s, r, losses = search_scale([w], [lay], [spec], np.abs(x).mean(0), h, np.arange(n_in))
+    _check_scale_search_against_reference(x, w, s, r, losses, factor_rank=t)
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(1, 96), k=st.integers(2, 64), seed=st.integers(0, 2**31 - 1))
+def test_gram_factor_leaves_out_at_most_its_bound(t, k, seed):
+    """``gram_factor`` of a float32 second moment of ``t`` tokens over ``k`` channels (channel scales spread over
+    orders of magnitude), against float64 eigenvalues: with a factor ``L`` (at most ``0.8 k`` columns),
+    ``H - L L^T`` has spectral norm <= 3 u tr(H) (at most ``u tr(H)`` left out by the stopping rule, ``2 u`` of
+    ``|L| |L|^T`` from storing ``L`` in float32); ``t >= 2 k`` tokens of such data have full rank: no factor."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k))
+    h = (x.T @ x / t).astype(np.float32)
+    f = gram_factor(h)
+    if f is None:
+        return
+    assert f.dtype == np.float32 and f.shape[0] == k and f.shape[1] <= 0.8 * k
+    h64 = h.astype(np.float64)
+    resid = h64 - f.astype(np.float64) @ f.astype(np.float64).T
+    assert np.max(np.abs(np.linalg.eigvalsh(resid))) <= 3 * 2.0**-24 * np.trace(h64) * (1 + 1e-9)
+    if t >= 2 * k:
+        raise AssertionError(f"a factor of rank {f.shape[1]} for {t} tokens over {k} channels")
 
 
 @pytest.mark.parametrize("layout,gran,pieces", [

@@ -1,8 +1,8 @@
 """The export commands: ``eqjax export-onnx`` (an onnxruntime-genai package directory) and ``eqjax export-gguf``
 (a llama.cpp GGUF file). Each quantizes ``--model`` with ``--recipe``, or exports a saved ``--checkpoint`` (eqjax's
-Orbax checkpoint or a compressed-tensors HF directory) as it is, without quantizing again. export-onnx takes a GGUF
-file or an HF directory (float or compressed-tensors) as ``--model``; export-gguf a GGUF file, whose metadata and
-tokenizer the output copies."""
+Orbax checkpoint or a compressed-tensors HF directory) as it is, without quantizing again. Both take a GGUF file or
+an HF directory (float or compressed-tensors) as ``--model``; export-gguf copies a GGUF source's metadata and
+tokenizer, or makes them from an HF directory's config.json and tokenizer (:mod:`eqjax.io.gguf_meta`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from eqjax.cli.sources import (
     checkpoint_params,
     load_source,
     max_context,
+    whole_model_exceeds_memory,
 )
 from eqjax.core.errors import CompatibilityError, InputError
 from eqjax.core.hostmem import release_free_memory
@@ -27,8 +28,8 @@ from eqjax.data import calibration_windows, wikipedia_tokens
 from eqjax.export.graph import ExportError
 from eqjax.export.package import TARGETS, HFPackageTokenizer, check_recipe, export_package
 from eqjax.export.qlower import check_exportable, export_params
-from eqjax.io.gguf import GGUFError, config_from_metadata, default_model_path, read_metadata
-from eqjax.io.gguf_write import BLOCK, check_gguf_recipe, export_gguf
+from eqjax.io.gguf import GGUFError, default_model_path, read_metadata
+from eqjax.io.gguf_write import BLOCK, check_gguf_recipe, export_gguf, source_metadata
 from eqjax.io.load import stream_model
 from eqjax.recipes.apply import quantize
 from eqjax.recipes.registry import EMBEDDINGS, get_recipe, with_embedding
@@ -181,25 +182,27 @@ def add_gguf_args(p: Any) -> Any:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--recipe", help="a weight-only 4/8-bit recipe (e.g. w4g128-gptq, w4g128-rtn-sym, w8)")
     g.add_argument("--checkpoint", help=f"export this checkpoint as saved, without quantizing: {CHECKPOINT_KINDS} "
-                   "made for --model (4/8-bit weight-only)")
+                   "made for --model (4/8-bit weight-only; a compressed-tensors one is its own model without --model)")
     p.add_argument("--out", required=True, help="output .gguf file")
-    p.add_argument("--model", default=None, help="source GGUF file (default: the bundled SmolLM2-135M); its "
-                   "metadata and tokenizer are copied")
+    p.add_argument("--model", default=None, help="a .gguf file (its metadata and tokenizer are copied) or an HF Llama "
+                   "directory with a byte-level BPE tokenizer.json (default: the bundled SmolLM2-135M)")
     add_calibration_args(p)
     return p
 
 
 def check_gguf_model(path: str | None) -> None:
-    """Refuse a ``--model`` export-gguf cannot copy its metadata and tokenizer from (anything but a .gguf file)."""
-    if path is None:
-        return
-    p = pathlib.Path(path)
-    if p.suffix != ".gguf" or p.is_dir():
-        found = "a directory" if p.is_dir() else f"a {p.suffix or 'suffix-less'} file" if p.exists() else "nothing"
-        raise InputError(f"export-gguf needs a .gguf --model for its tokenizer metadata (--model {p}): expected a .gguf "
-                         f"file, found {found} (an HF directory exports with export-onnx or eqjax quantize --format "
-                         "compressed-tensors)")
-    check_model_source(path)
+    """Refuse a ``--model`` export-gguf cannot read (:func:`check_model_source`)."""
+    if path is not None:
+        check_model_source(path)
+
+
+def _gguf_source(args: Any) -> str:
+    """The model whose metadata the GGUF file carries: ``--model``, else a compressed-tensors / GPTQ
+    ``--checkpoint`` (its own model), else the bundled SmolLM2-135M."""
+    ck = getattr(args, "checkpoint", None)
+    if args.model is None and ck is not None and is_hf_quantized(ck):
+        return str(ck)
+    return str(args.model or default_model_path())
 
 
 def check_gguf_args(args: Any) -> Any:
@@ -220,8 +223,8 @@ def gguf_main(args: Any) -> int:
 
     ck = getattr(args, "checkpoint", None)
     recipe = check_gguf_args(args)
-    src_path = str(args.model or default_model_path())
-    c = config_from_metadata(read_metadata(src_path), source=src_path)
+    src_path = _gguf_source(args)
+    c, _ = source_metadata(src_path)  # the metadata made (and any refusal) before weights are read
     widths = {"hidden": c.hidden, "intermediate": c.intermediate, "heads x head_dim": c.n_heads * c.head_dim}
     bad = {k: v for k, v in widths.items() if v % BLOCK}
     if ck:
@@ -231,6 +234,11 @@ def gguf_main(args: Any) -> int:
     if bad and quantized:
         raise GGUFError(f"{src_path}: {', '.join(f'{k} {v}' for k, v in bad.items())} not a multiple of {BLOCK}: GGUF "
                         "blocks cannot hold its quantized weights")
+    big = whole_model_exceeds_memory(src_path) if pathlib.Path(src_path).is_dir() else None
+    if big is not None:
+        raise CompatibilityError(f"model too large for export-gguf (--model {src_path}): it holds the float32 weights "
+                                 f"({big[0]:.1f} GiB) to check the file it writes, {big[1]:.1f} GiB of memory is "
+                                 "available (export-onnx --checkpoint exports a model of this size)")
     src = load_source(src_path)
     if ck:
         qparams, name = checkpoint_params(ck, recipe, src)

@@ -21,7 +21,9 @@ what that changed). Anything else (3-bit, 2-bit, W8A8's activation quantization,
 quantization, groups of 16) is refused before the file is written, naming the param.
 
 Metadata (architecture, hyper-parameters, tokenizer, chat template) is copied from the source GGUF the
-params were loaded from; ``general.file_type`` is set from the tensors written. Q and K rows are
+params were loaded from, or made from a source HF directory's config.json and tokenizer as llama.cpp's
+converter makes it (:func:`eqjax.io.gguf_meta.hf_gguf_metadata`); ``general.file_type`` is set from the
+tensors written. Q and K rows are
 permuted back to llama.cpp's interleaved-RoPE order (the inverse of :func:`eqjax.io.gguf.unpermute_qk`).
 The file is written to a temporary sibling and renamed, then read back with :func:`eqjax.io.gguf.load_gguf`
 and compared with eqjax's own dequantized weights.
@@ -42,8 +44,10 @@ from eqjax.export.graph import ExportError
 from eqjax.export.qlower import blocked, half_initializer, lowered_at_use
 from eqjax.io.atomic import atomic_path, check_output_file
 from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_gguf, tensor_plan
+from eqjax.io.gguf_meta import hf_gguf_metadata
+from eqjax.io.hf import CheckpointError, read_config
 
-__all__ = ["export_gguf", "gguf_blocks", "permute_qk", "BLOCK"]
+__all__ = ["export_gguf", "source_metadata", "gguf_blocks", "permute_qk", "BLOCK"]
 
 BLOCK = 32
 _FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_*
@@ -124,9 +128,33 @@ def _get(tree: dict, path: tuple[str, ...], src: str) -> Any:
     return tree
 
 
+def source_metadata(source: str | os.PathLike[str]) -> tuple[Any, list[tuple[str, Any, Any, Any]]]:
+    """``(LlamaConfig, [(key, value, GGUFValueType, item type)])`` of a source GGUF file (its fields but the
+    architecture and file type, which the writer sets) or HF directory (:func:`hf_gguf_metadata`)."""
+    import gguf
+
+    src = os.fspath(source)
+    if Path(src).is_dir():
+        try:
+            cfg, _ = read_config(Path(src))
+        except CheckpointError as e:
+            raise GGUFError(str(e)) from None
+        return cfg, hf_gguf_metadata(src, cfg)
+    reader = _open(src)
+    cfg = config_from_metadata(_metadata(reader), source=src)
+    entries = []
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        entries.append((key, field.contents(), field.types[0], sub))
+    return cfg, entries
+
+
 def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
                 overwrite: bool = False) -> dict[str, Any]:
-    """Write ``params`` (eqjax's Llama tree, quantized or not) as a GGUF file with ``source``'s metadata.
+    """Write ``params`` (eqjax's Llama tree, quantized or not) as a GGUF file with the metadata of ``source``
+    (a GGUF file or an HF directory: :func:`source_metadata`).
 
     Every tensor is converted (and every unsupported leaf refused) before anything is written. Returns a
     summary: tensor types and counts, bytes, and the read-back check (``max_abs_diff`` of the file's
@@ -137,9 +165,7 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
 
     src = os.fspath(source)
     out = check_output_file(out, overwrite=overwrite, what="GGUF file")
-    reader = _open(src)
-    meta = _metadata(reader)
-    cfg = config_from_metadata(meta, source=src)
+    cfg, entries = source_metadata(src)
     plan = {name: (where, linear, heads)
             for name, (where, _, linear, heads) in tensor_plan(cfg, tied="lm_head" not in params).items()}
     extra = sorted(set(p for p, _ in flatten(params)) - {"/".join(w) for w, _, _ in plan.values()})
@@ -163,12 +189,9 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
         tensors[name] = (kind, data, ref)
     kinds = {k for k, _, _ in tensors.values() if k != "F32"}
     with atomic_path(out) as tmp:
-        w = gguf.GGUFWriter(tmp, meta.get("general.architecture", "llama"))
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
-                continue
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        w = gguf.GGUFWriter(tmp, "llama")
+        for key, value, kind, sub in entries:
+            w.add_key_value(key, value, kind, sub_type=sub)
         main = max(kinds, key=lambda k: sum(d.nbytes for t, d, _ in tensors.values() if t == k)) if kinds else "F32"
         w.add_uint32("general.file_type", _FILE_TYPE[main])
         for name, (kind, data, _) in tensors.items():

@@ -61,7 +61,7 @@ from eqjax.models.config import ConfigError, GPT2Config, ModelConfig
 from eqjax.models.hf_config import from_hf_config, to_hf_config
 
 __all__ = ["CheckpointError", "load_hf_checkpoint", "stream_hf_checkpoint", "StreamedParams", "save_hf_checkpoint", "hf_name", "hf_layout", "HFTensor",
-           "read_checkpoint", "assemble_params", "float_tensors", "write_safetensors"]
+           "read_checkpoint", "read_config", "assemble_params", "float_tensors", "write_safetensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _PHI3_PAD = 32000  # transformers' Phi3Config default pad_token_id
@@ -141,7 +141,9 @@ def hf_layout(config: ModelConfig) -> list[HFTensor]:
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def _read_config(root: Path) -> tuple[ModelConfig, dict[str, Any]]:
+def read_config(root: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """``(config, config.json as read)`` of the HF directory ``root``; CheckpointError naming the file when it is
+    absent or bad."""
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{root}: no config.json (a Hugging Face checkpoint directory needs one)")
@@ -242,7 +244,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, lazy: bool = False
         )
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
-    config, raw = _read_config(root)
+    config, raw = read_config(root)
     files, index_map = _weight_files(root)
     tensors: dict[str, Any] = {}  # an array, or (lazy) a LazyTensors entry
     origin: dict[str, Path] = {}

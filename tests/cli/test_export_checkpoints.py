@@ -11,10 +11,12 @@ import json
 import pathlib
 
 import gguf
+import jax
 import numpy as np
 import pytest
 
 from eqjax.cli.main import main
+from eqjax.io.load import stream_model
 from tests.io.test_gguf import hf_weights, write_tiny
 from tests.robustness.robustness_fixtures import write_hf_model
 
@@ -22,10 +24,25 @@ DIMS = (64, 96, 4, 2, 16, 1)  # D, F, HQ, HKV, HD, L: every width a multiple of 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 
+def _bpe_tokenizer(path: pathlib.Path) -> None:
+    """A byte-level BPE of the 256 byte symbols and four merges (260 tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
+    vocab |= {a + b: 256 + i for i, (a, b) in enumerate(merges)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path))
+
+
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpts")
-    tiny = write_hf_model(d / "tiny")
+    tiny = write_hf_model(d / "tiny", vocab=260)
+    _bpe_tokenizer(tiny / "tokenizer.json")
     cfg = json.loads((tiny / "config.json").read_text())
     (tiny / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 1, "eos_token_id": 2}))
     (tiny / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 3]}))
@@ -40,7 +57,11 @@ def fx(tmp_path_factory):
                  ["--model", str(g), "--recipe", "w8a8-naive", "--out", str(d / "gw8a8")]):
         assert main(["quantize", *argv]) == 0
     (d / "file").write_text("x")
-    return {k: str(d / k) for k in ("tiny", "other", "ck", "ct", "kv", "w3", "gck", "gw8a8", "file")} | {"gguf": str(g)}
+    spm = write_hf_model(d / "spm")  # a pre-tokenizer llama.cpp's names are not known for: export-gguf refuses it
+    tj = json.loads((spm / "tokenizer.json").read_text())
+    (spm / "tokenizer.json").write_text(json.dumps({**tj, "pre_tokenizer": {"type": "Metaspace", "replacement": "_"}}))
+    names = ("tiny", "other", "ck", "ct", "kv", "w3", "gck", "gw8a8", "file", "spm")
+    return {k: str(d / k) for k in names} | {"gguf": str(g)}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +160,63 @@ def test_export_gguf_orbax_checkpoint_is_the_recipe_export(fx, tmp_path, capsys,
 
 
 @pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of a curve without evaluated points
+def _gguf(path: pathlib.Path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(path)
+    return ({k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")},
+            {t.name: (t.tensor_type.name, np.asarray(t.data)) for t in r.tensors})
+
+
+def test_export_gguf_from_an_hf_directory(fx, tmp_path, capsys):
+    """``export-gguf --model <HF directory>``: the file carries the directory's hyper-parameters and its tokenizer
+    (tokens in id order, the ids tokenizer_config / config.json name, the chat template), and exporting a
+    checkpoint made for the directory (eqjax's Orbax one with ``--model``, the compressed-tensors one as its own
+    model) writes the recipe's codes, quantized once (the Orbax checkpoint: the same bytes; the compressed-tensors
+    one stores its scales and float tensors in bfloat16)."""
+    assert main(["export-gguf", "--model", fx["tiny"], "--recipe", "w4g128-rtn", "--out", str(tmp_path / "r.gguf")]) == 0
+    meta, tensors = _gguf(tmp_path / "r.gguf")
+    cfg = json.loads((pathlib.Path(fx["tiny"]) / "config.json").read_text())
+    vocab = json.loads((pathlib.Path(fx["tiny"]) / "tokenizer.json").read_text())["model"]["vocab"]
+    assert meta["general.architecture"] == "llama" and meta["tokenizer.ggml.model"] == "gpt2"
+    assert meta["tokenizer.ggml.pre"] == "gpt-2"
+    assert meta["tokenizer.ggml.tokens"] == sorted(vocab, key=vocab.get)
+    assert meta["tokenizer.ggml.merges"] == ["Ġ t", "h e", "Ġt he", "i n"]
+    assert (meta["llama.embedding_length"], meta["llama.block_count"], meta["llama.attention.head_count_kv"]) == (
+        cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"])
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)
+    assert meta["tokenizer.chat_template"] == TEMPLATE
+    assert {t for t, _ in tensors.values()} == {"Q4_1", "F32"}
+    for argv, name in ((["--model", fx["tiny"], "--checkpoint", fx["ck"]], "ck.gguf"), (["--checkpoint", fx["ct"]], "ct.gguf")):
+        assert main(["export-gguf", *argv, "--out", str(tmp_path / name)]) == 0
+        got = _gguf(tmp_path / name)[1]
+        assert got.keys() == tensors.keys()
+        for k, (t, data) in tensors.items():
+            assert got[k][0] == t, k
+            if name == "ck.gguf":
+                assert np.array_equal(got[k][1], data), k
+            elif t == "F32":  # the directory stores float tensors in bfloat16 (unit roundoff 2^-8)
+                assert np.all(np.abs(got[k][1] - data) <= 2.0**-8 * np.abs(data)), k
+            else:  # Q4_1 blocks [d, m: float16][16 bytes of codes]: the same codes; d and m from bfloat16 scales
+                a, b = (x.reshape(x.shape[0], -1, 20) for x in (got[k][1], data))
+                assert np.array_equal(a[..., 4:], b[..., 4:]), k
+                dm_a, dm_b = (x[..., :4].copy().view(np.float16).astype(np.float64) for x in (a, b))
+                assert np.all(np.abs(dm_a - dm_b) <= (2.0**-8 + 2 * 2.0**-11) * np.abs(dm_b)), k
+
+
+def test_export_gguf_refuses_a_model_larger_than_memory(fx, tmp_path, capsys, monkeypatch):
+    """export-gguf holds the model's float32 weights whole: with the available memory faked one byte below their
+    size, an HF directory is refused in one line before anything is loaded or written."""
+    import eqjax.cli.sources as sources
+
+    need = 4 * sum(int(np.prod(s)) for s in jax.tree.leaves(
+        stream_model(fx["tiny"])[0].param_shapes(), is_leaf=lambda x: isinstance(x, tuple)))
+    monkeypatch.setattr(sources, "_available_bytes", lambda: need - 1)
+    out = tmp_path / "o.gguf"
+    assert main(["export-gguf", "--model", fx["tiny"], "--recipe", "w8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model too large for export-gguf (--model" in err[0], err
+    assert not out.exists()
+
+
 def test_search_takes_a_float_hf_directory(fx, tmp_path):
     out = tmp_path / "s"
     assert main(["search", "--model", fx["tiny"], "--budget-bits", "4", "--out", str(out), "--proxy", "weight",
@@ -162,7 +240,8 @@ def test_search_takes_a_float_hf_directory(fx, tmp_path):
     (["export-gguf", "--model", "{gguf}", "--checkpoint", "{ck}"], r"checkpoint made for another model"),
     (["export-gguf", "--model", "{gguf}", "--checkpoint", "{gw8a8}"],
      r"GGUF file cannot hold \(--checkpoint .*layers_0/.*ActQuantKernel"),
-    (["export-gguf", "--model", "{tiny}", "--checkpoint", "{ck}"], r"export-gguf needs a \.gguf --model .*a directory"),
+    (["export-gguf", "--model", "{file}", "--recipe", "w8"], r"unsupported model \(--model"),
+    (["export-gguf", "--model", "{spm}", "--recipe", "w8"], r"tokenizer\.json: pre_tokenizer .* not one eqjax can name"),
     (["search", "--model", "{ct}", "--budget-bits", "4"], r"quantized model \(--model .*float weights for search"),
 ])
 def test_bad_inputs_are_one_line_before_any_output(argv, match, fx, tmp_path, capsys):

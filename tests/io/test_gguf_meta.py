@@ -1,0 +1,116 @@
+"""GGUF metadata made from an HF directory (``eqjax.io.gguf_meta``), against llama.cpp's own converter: the bundled
+SmolLM2-135M GGUF was written by llama.cpp from the Hugging Face model; eqjax writes that model's config.json and
+tokenizer files from it (as ``eqjax quantize --format compressed-tensors`` does), and the metadata made from those
+files must be the converter's, key for key. Refusals name the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+
+from eqjax.export.package import tokenizer_files
+from eqjax.io.gguf import GGUFError, config_from_metadata, default_model_path, load_tokenizer, read_metadata
+from eqjax.io.gguf_meta import hf_gguf_metadata
+from eqjax.io.hf import hf_config_dict, read_config
+
+# general.* keys llama.cpp takes from the model card (eqjax names the file after the directory), and keys of the
+# tokenizer_config eqjax writes that the original one lacked
+_CARD = {"general.name", "general.organization", "general.finetune", "general.basename", "general.size_label",
+         "general.license", "general.languages"}
+_EXTRA = {"general.name", "tokenizer.ggml.add_eos_token"}
+_WRITER = {"general.architecture", "general.file_type"}  # set by the GGUF writer, not by the metadata
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory) -> pathlib.Path:
+    """SmolLM2-135M's config.json and tokenizer files (no weights) as eqjax writes them."""
+    d = tmp_path_factory.mktemp("smollm2")
+    meta = read_metadata(default_model_path())
+    cfg = config_from_metadata(meta)
+    (d / "config.json").write_text(json.dumps(hf_config_dict(cfg, "bfloat16")))
+    files = tokenizer_files(load_tokenizer(), chat_template=meta["tokenizer.chat_template"],
+                            context_length=cfg.max_position_embeddings)
+    for name, text in files.items():
+        (d / name).write_text(text)
+    return d
+
+
+def test_smollm2_metadata_is_llama_cpps(smollm2_dir):
+    """Every llama.* and tokenizer.* key of llama.cpp's SmolLM2 GGUF, with its value and value type: the
+    hyper-parameters, 49,152 tokens and their types (17 special tokens CONTROL), 48,900 merges, the special
+    token ids, the pre-tokenizer name ('smollm') and the chat template."""
+    reader = gguf.GGUFReader(default_model_path())
+    want = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.") and k not in _CARD | _WRITER}
+    cfg, _ = read_config(smollm2_dir)
+    got = {k: (v, t, s) for k, v, t, s in hf_gguf_metadata(smollm2_dir, cfg)}
+    assert set(got) - set(want) <= _EXTRA, set(got) - set(want)
+    assert set(want) <= set(got), set(want) - set(got)
+    for key, field in want.items():
+        value, kind, sub = got[key]
+        assert field.types[0] == kind and (sub is None or field.types[-1] == sub), key
+        expected = field.contents()
+        if isinstance(expected, float):  # stored as float32
+            assert np.float32(value) == np.float32(expected), key
+        else:
+            assert value == expected, key
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path, **changes) -> pathlib.Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    for name, edit in changes.items():
+        path = dst / name.replace("_", ".", 1)
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    return dst
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"tokenizer_json": lambda d: {**d, "pre_tokenizer": {"type": "Metaspace", "replacement": "_"}}},
+     r"tokenizer\.json: pre_tokenizer .*not one eqjax can name for llama\.cpp"),
+    ({"tokenizer_json": lambda d: {**d, "model": {**d["model"], "type": "Unigram"}}},
+     r"tokenizer\.json: a 'Unigram' tokenizer; export-gguf writes byte-level BPE"),
+    ({"tokenizer_json": lambda d: {**d, "model": {**d["model"], "merges": []}}}, r"tokenizer\.json: no merges"),
+    ({"config_json": lambda d: {**d, "vocab_size": 1000}}, r"tokenizer\.json: token id 49151 is beyond .*vocab_size 1000"),
+    ({"config_json": lambda d: {**d, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192}}},
+     r"config\.json: RoPE scaling .*linear scaling only"),
+])
+def test_refusals_name_the_file(smollm2_dir, tmp_path, changes, match):
+    d = _copy(smollm2_dir, tmp_path / "m", **changes)
+    try:
+        cfg, _ = read_config(d)
+    except Exception as e:  # a config eqjax cannot read at all is the loader's refusal, naming config.json
+        assert "config.json" in str(e)
+        return
+    with pytest.raises(GGUFError, match=match):
+        hf_gguf_metadata(d, cfg)
+
+
+def test_unused_ids_are_pad_tokens(smollm2_dir, tmp_path):
+    """Ids the tokenizer does not use up to config.json's vocab_size become ``[PAD<id>]`` USER_DEFINED tokens
+    (llama.cpp's convention for an embedding table larger than the vocabulary)."""
+    d = _copy(smollm2_dir, tmp_path / "m", config_json=lambda c: {**c, "vocab_size": 49160})
+    cfg, _ = read_config(d)
+    got = {k: v for k, v, _, _ in hf_gguf_metadata(d, cfg)}
+    assert got["tokenizer.ggml.tokens"][-8:] == [f"[PAD{i}]" for i in range(49152, 49160)]
+    assert got["tokenizer.ggml.token_type"][-8:] == [int(gguf.TokenType.USER_DEFINED)] * 8
+    assert got["llama.vocab_size"] == 49160
+
+
+@pytest.mark.parametrize("changes", [{}, {"config_json": lambda c: {**c, "rope_scaling": {"rope_type": "linear",
+                                                                                          "factor": 2.0}}},
+                                     {"config_json": lambda c: {**c, "head_dim": 32}}])
+def test_gguf_loader_reads_the_config_back(smollm2_dir, tmp_path, changes):
+    """eqjax's GGUF loader reads the written hyper-parameters as the directory's config (linear RoPE scaling and a
+    head size other than hidden / heads included); the tied table is the writer's tensors' business."""
+    d = _copy(smollm2_dir, tmp_path / "m", **changes)
+    cfg, _ = read_config(d)
+    back = config_from_metadata({k: v for k, v, _, _ in hf_gguf_metadata(d, cfg)} | {"general.architecture": "llama"})
+    assert dataclasses.replace(back, tie_word_embeddings=cfg.tie_word_embeddings) == cfg

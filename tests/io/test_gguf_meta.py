@@ -114,3 +114,26 @@ def test_gguf_loader_reads_the_config_back(smollm2_dir, tmp_path, changes):
     cfg, _ = read_config(d)
     back = config_from_metadata({k: v for k, v, _, _ in hf_gguf_metadata(d, cfg)} | {"general.architecture": "llama"})
     assert dataclasses.replace(back, tie_word_embeddings=cfg.tie_word_embeddings) == cfg
+
+
+def test_a_file_of_the_metadata_tokenizes_as_tokenizer_json(smollm2_dir, tmp_path):
+    """The metadata written to a GGUF file (by the ``gguf`` package's writer, no tensors) and read back by eqjax's
+    GGUF tokenizer encodes Wikipedia text to the ids the ``tokenizers`` library gives from tokenizer.json, special
+    tokens in the text included."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from eqjax.data import wikipedia_articles
+
+    cfg, _ = read_config(smollm2_dir)
+    path = tmp_path / "meta.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value, kind, sub in hf_gguf_metadata(smollm2_dir, cfg):
+        w.add_key_value(key, value, kind, sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = load_tokenizer(path)
+    ref = HFTokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    text = "<|im_start|>user\n" + "\n\n".join(wikipedia_articles()[:3])[:20000] + " 12345 x<|im_end|>"
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids

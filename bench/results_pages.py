@@ -871,6 +871,16 @@ def page_memory() -> str:
 
 
 SCALE_TABLES = (
+    ("scale_awq.json", "AWQ at 2 x 512 calibration tokens (fewer than the 4 x 512 of the other tables, to fit one run "
+                       "in an hour on this CPU): with fewer tokens than a weight has inputs, its scale search prices "
+                       "each candidate through a pivoted-Cholesky factor of the inputs' second moment (`r K N` "
+                       "multiply-adds, `r` <= 1,024 here, instead of `K^2 N`), so its cost per parameter no longer "
+                       "grows with the width. The 1B row and the first third of the 8B row ran with tests beside "
+                       "them at the lowest CPU priority. The 8B peak (9.02 GiB) is the LM head's clip search holding "
+                       "three 2 GB copies of the head; measured after this run on a one-block probe of the 8B shape "
+                       "(its token table, one block and the untied head), the search writing its pieces into the "
+                       "scaled head in place and dropping the unscaled copies brings that peak from 7.59 to 5.62 GiB, "
+                       "the written checkpoint bit for bit the same; the whole 8B run was not repeated."),
     ("scale_8b_rtn.json", "round to nearest on the 8B shape with the export: `eqjax export-onnx --checkpoint` of the "
                           "written directory (weights written to disk as the graph is built, the onnxruntime "
                           "self-check included; 'package GiB': the package directory). The plain 'eval' ran block at "
@@ -889,7 +899,9 @@ SCALE_TABLES = (
 
 def page_scale() -> str:
     body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
-            "```bash\npython bench/scale.py --shapes 8b --recipes w4g128-rtn --eval --by-block --export --out-name "
+            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-awq --calib-windows 2 --calib-len 512 "
+            "--out-name scale_awq\n"
+            "python bench/scale.py --shapes 8b --recipes w4g128-rtn --eval --by-block --export --out-name "
             "scale_8b_rtn\n"
             "python bench/scale.py --shapes 8b --recipes w4g128-gptq --eval --by-block --out-name scale_8b\n"
             "python bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn,w4g128-gptq --eval --by-block\n"

@@ -201,10 +201,11 @@ def _clip(w2: jax.Array, h: jax.Array, *, use: Any, spec: QuantSpec, ratios: tup
 
 
 def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *, max_shrink: float = 0.5,
-                clip_grid: int = 20) -> jax.Array:
+                clip_grid: int = 20, in_place: bool = False) -> jax.Array:
     """``w2 [K, N]`` clamped per (grid block, output) to the ``max|w|`` shrink minimizing the block's
     partial-output error ``e^T H_bb e`` after fake quantization with ``spec`` (the param's layout); a wide
-    weight is searched one column piece at a time."""
+    weight is searched one column piece at a time, each piece's result written into one array: ``w2`` itself
+    with ``in_place`` (then ``w2`` is consumed: the caller holds no other reference to it)."""
     gran = spec.granularity
     dims = tuple(use.shape[a] for a in use.contracting)
     gid, ng = gran_group_ids(dims, gran)
@@ -217,10 +218,19 @@ def search_clip(w2: jax.Array, h: jax.Array, use: WeightUse, spec: QuantSpec, *,
     plan = _pieces(getattr(use, "layout", use), spec)
     if len(plan) == 1:
         return _clip(w2, h, use=plan[0][0], spec=spec, ratios=ratios, blocks=blocks)
-    out = np.empty(w2.shape, np.float32)  # filled piece by piece: no list of pieces beside the result
-    for layout, lo, hi in plan:
-        out[:, lo:hi] = np.asarray(_clip(w2[:, lo:hi], h, use=layout, spec=spec, ratios=ratios, blocks=blocks))
-    return jnp.asarray(out)
+    src = None if in_place else w2  # out of place: pieces read from the input, written to a new array
+    out = w2 if in_place else jnp.zeros(w2.shape, jnp.float32)
+    del w2
+    for layout, lo, hi in plan:  # in place, a piece is read before its columns are written (pieces are disjoint)
+        piece = (out if src is None else src)[:, lo:hi]
+        out = _put_columns(out, _clip(piece, h, use=layout, spec=spec, ratios=ratios, blocks=blocks), lo)
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_columns(out: jax.Array, piece: jax.Array, start: int) -> jax.Array:
+    """``out [K, N]`` with columns ``start:start + n`` set to ``piece [K, n]``, in place (``out`` donated)."""
+    return jax.lax.dynamic_update_slice(out, piece, (0, start))
 
 
 def apply_fold(params: dict[str, Any], fold: Fold, s: jax.Array, tie: np.ndarray) -> dict[str, Any]:
@@ -293,6 +303,7 @@ class AWQ:
                 return p
             stats = bc.statistics(want, uses, sink_tokens=self.sink_tokens, sink_weight=self.sink_weight)
             h_of = {u.path: jnp.asarray(stats[u.path]["xtx"], jnp.float32) for u in uses}
+            scaled: set[str] = set()  # params this step replaced by scaled copies of its own
             for group in bc.groups:
                 group = tuple(u for u in group if u in uses)
                 if not group:
@@ -311,7 +322,9 @@ class AWQ:
                 p = apply_fold(p, fold, s, tie)
                 for u, w in zip(group, ws):
                     p[u.path] = from_weight_matrix(w * se[:, None], u, p[u.path])
+                    scaled.add(u.path)
                     h_of[u.path] = h_of[u.path] / (se[:, None] * se[None, :])
+                del ws, w  # the unscaled copies: an LM head's is 2 GB at 8B
             if self.clip:
                 for u in uses:
                     keep = score_columns(an, u)
@@ -319,8 +332,18 @@ class AWQ:
                         continue
                     spec = concrete_spec(self.spec(), an, u.path, u.shape)
                     w = weight_matrix(p[u.path], u)
-                    w2 = search_clip(w, h_of[u.path], u, spec, max_shrink=self.max_shrink, clip_grid=self.clip_grid)
-                    p[u.path] = from_weight_matrix(jnp.where(jnp.asarray(keep)[None, :], w, w2), u, p[u.path])
+                    like = p[u.path]
+                    # the scaled weight this step made, and its matrix is the param itself: clipped in place (an
+                    # 8B model's LM head: no third 2 GB copy beside the caller's and the scaled one)
+                    in_place = u.path in scaled and w is like and not keep.any()
+                    if in_place:
+                        like = p[u.path] = jax.ShapeDtypeStruct(w.shape, w.dtype)
+                    w2 = search_clip(w, h_of[u.path], u, spec, max_shrink=self.max_shrink, clip_grid=self.clip_grid,
+                                     in_place=in_place)
+                    if keep.any():  # score columns keep their weights (a fused qkv's q and k)
+                        w2 = jnp.where(jnp.asarray(keep)[None, :], w, w2)
+                    del w
+                    p[u.path] = w2.astype(like.dtype) if in_place else from_weight_matrix(w2, u, like)
             return p
 
         out = cal.run_blocks(params, per_block, advance=self.advance, progress=ctx.progress, desc=self.name)

@@ -143,7 +143,8 @@ def test_gram_factor_leaves_out_at_most_its_bound(t, k, seed):
 def test_wide_weights_searched_in_column_pieces_as_whole(layout, gran, pieces, monkeypatch):
     """A weight wider than the piece size is searched one column piece at a time (an LM head of 128k outputs
     would need several float32 copies of itself at once): the scale losses add up to the whole weight's to
-    float32 rounding, the same ratio wins, and every column gets the clip it gets when searched whole."""
+    float32 rounding, the same ratio wins, and every column gets the clip it gets when searched whole (written
+    into a new array, or into the input in place)."""
     import eqjax.methods.awq as awq
 
     rng = np.random.default_rng(1)
@@ -160,6 +161,8 @@ def test_wide_weights_searched_in_column_pieces_as_whole(layout, gran, pieces, m
     np.testing.assert_allclose(cut[2], whole[2], rtol=8 * N * np.finfo(np.float32).eps)
     assert cut[1] == whole[1]
     np.testing.assert_array_equal(np.asarray(search_clip(jnp.asarray(w), h, layout, spec)), clip_whole)
+    own = jnp.array(w, copy=True)  # in place: the pieces written into the input itself, which is consumed
+    np.testing.assert_array_equal(np.asarray(search_clip(own, h, layout, spec, in_place=True)), clip_whole)
 
 
 def test_awq_needs_calibration(tiny):

@@ -878,9 +878,10 @@ SCALE_TABLES = (
                        "grows with the width. The 1B row and the first third of the 8B row ran with tests beside "
                        "them at the lowest CPU priority. The 8B peak (9.02 GiB) is the LM head's clip search holding "
                        "three 2 GB copies of the head; measured after this run on a one-block probe of the 8B shape "
-                       "(its token table, one block and the untied head), the search writing its pieces into the "
-                       "scaled head in place and dropping the unscaled copies brings that peak from 7.59 to 5.62 GiB, "
-                       "the written checkpoint bit for bit the same; the whole 8B run was not repeated."),
+                       "(its token table, one block and the untied head), with the unscaled copies dropped that peak "
+                       "is 7.59 GiB with the search's result a new array and 5.62 GiB with its pieces written into "
+                       "the scaled head in place, the written checkpoint bit for bit the same; the whole 8B run was "
+                       "not repeated."),
     ("scale_8b_rtn.json", "round to nearest on the 8B shape with the export: `eqjax export-onnx --checkpoint` of the "
                           "written directory (weights written to disk as the graph is built, the onnxruntime "
                           "self-check included; 'package GiB': the package directory). The plain 'eval' ran block at "

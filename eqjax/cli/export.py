@@ -18,6 +18,7 @@ from eqjax.cli.sources import (
     check_checkpoint,
     check_model_source,
     checkpoint_params,
+    hf_quantized_kind,
     load_source,
     max_context,
     whole_model_exceeds_memory,
@@ -234,16 +235,19 @@ def gguf_main(args: Any) -> int:
     if bad and quantized:
         raise GGUFError(f"{src_path}: {', '.join(f'{k} {v}' for k, v in bad.items())} not a multiple of {BLOCK}: GGUF "
                         "blocks cannot hold its quantized weights")
-    big = whole_model_exceeds_memory(src_path) if pathlib.Path(src_path).is_dir() else None
+    own = bool(ck) and src_path == str(ck)  # a compressed-tensors / GPTQ directory as its own model: read a tensor at a time
+    big = whole_model_exceeds_memory(src_path) if pathlib.Path(src_path).is_dir() and not own else None
     if big is not None:
-        raise CompatibilityError(f"model too large for export-gguf (--model {src_path}): it holds the float32 weights "
-                                 f"({big[0]:.1f} GiB) to check the file it writes, {big[1]:.1f} GiB of memory is "
-                                 "available (export-onnx --checkpoint exports a model of this size)")
-    src = load_source(src_path)
-    if ck:
-        qparams, name = checkpoint_params(ck, recipe, src)
+        raise CompatibilityError(f"model too large for export-gguf (--model {src_path}): it loads the float32 weights "
+                                 f"({big[0]:.1f} GiB) whole, {big[1]:.1f} GiB of memory is available (a compressed-"
+                                 "tensors or GPTQ --checkpoint without --model is exported a tensor at a time)")
+    if own:
+        qparams, what = stream_model(ck)[1], f"checkpoint {ck}, recipe {hf_quantized_kind(ck)}"
+    elif ck:
+        qparams, name = checkpoint_params(ck, recipe, load_source(src_path))
         what = f"checkpoint {ck}, recipe {name}"
     else:
+        src = load_source(src_path)
         qparams, what = _params(args, src, recipe), f"recipe {recipe.name}"
     try:
         info = export_gguf(qparams, args.out, source=src_path, overwrite=getattr(args, "overwrite", False))

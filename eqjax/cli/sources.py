@@ -22,7 +22,7 @@ from eqjax.io.load import load_model, stream_model
 from eqjax.io.orbax import is_partial_checkpoint, load_quantized, read_manifest
 
 __all__ = ["Source", "CHECKPOINT_KINDS", "check_model_source", "check_checkpoint", "load_source",
-           "checkpoint_params", "max_context", "whole_model_exceeds_memory"]
+           "checkpoint_params", "hf_quantized_kind", "max_context", "whole_model_exceeds_memory"]
 
 CHECKPOINT_KINDS = "an eqjax Orbax checkpoint (eqjax quantize) or an HF quantized directory (compressed-tensors, GPTQ)"
 
@@ -101,12 +101,17 @@ def load_source(model_path: str | None, checkpoint: str | None = None) -> Source
     return Source(model, params, tok, path)
 
 
+def hf_quantized_kind(checkpoint: str) -> str:
+    """The format name of an HF quantized directory: ``gptq`` or ``compressed-tensors``."""
+    return GPTQ_FORMAT if is_gptq(checkpoint) else CT_FORMAT
+
+
 def checkpoint_params(checkpoint: str, manifest: dict[str, Any] | None, source: Source) -> tuple[Any, str]:
     """``(params, recipe name)`` of ``checkpoint`` (its manifest from :func:`check_checkpoint`), checked against
     ``source``'s model: an Orbax checkpoint made for another model or a compressed-tensors directory of other
     shapes is a CompatibilityError naming the key or parameter."""
     if manifest is None:
-        kind = GPTQ_FORMAT if is_gptq(checkpoint) else CT_FORMAT
+        kind = hf_quantized_kind(checkpoint)
         if source.path == str(checkpoint):
             return source.params, kind
         return load_hf_quantized(checkpoint, source.model, source.params), kind

@@ -85,7 +85,8 @@ def kernel_shape(kernel: Any) -> tuple[int, ...]:
 
 
 def quantize_activations(
-    x2: jax.Array, bits: int = 8, granularity: str = "token", static_scale: jax.Array | None = None
+    x2: jax.Array, bits: int = 8, granularity: str = "token", static_scale: jax.Array | None = None,
+    full_range: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Symmetric activation quantization of ``x2 [M, K]``: (int8 ``[M, K]``, float32 scale ``[M, 1]``).
 
@@ -93,9 +94,15 @@ def quantize_activations(
     a zero row gets scale 1. Codes ``clip(round_half_even(x * fl(1/scale)), -qmax, qmax)``: exactly
     :func:`pallas_kernels.quantize_rows_xla`, the Pallas kernels' arithmetic, on every platform. With
     ``static_scale`` values beyond the calibrated range are clipped.
+
+    ``full_range``: the compressed-tensors package's grid and arithmetic instead: ``scale = fl(absmax /
+    (qmax + 1/2))`` and codes ``clip(round_half_even(fl(x / scale)), -qmax - 1, qmax)``
+    (:class:`~eqjax.core.qarray.ActQuantKernel`).
     """
 
     qmax = 2 ** (bits - 1) - 1
+    if full_range:
+        return _quantize_full_range(x2, qmax, granularity, static_scale)
     if static_scale is not None:
         scale = jnp.asarray(static_scale, jnp.float32).reshape(-1)[:1]
     elif granularity == "token":
@@ -104,6 +111,26 @@ def quantize_activations(
         scale = pk.tensor_scale(x2, qmax)
     q, s = pk.quantize_rows_xla(x2, qmax=qmax, scale=scale)
     return q, s.reshape(-1, 1)
+
+
+def _quantize_full_range(x2: jax.Array, qmax: int, granularity: str,
+                         static_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_activations` with ``full_range``: codes in ``[-qmax - 1, qmax]``, IEEE divisions."""
+    xf = x2.astype(jnp.float32)
+    if static_scale is not None:
+        s = jnp.broadcast_to(jnp.asarray(static_scale, jnp.float32).reshape(-1)[:1], (xf.shape[0],))
+    else:
+        amax = jnp.max(jnp.abs(xf), axis=1) if granularity == "token" else jnp.broadcast_to(
+            jnp.max(jnp.abs(xf)), (xf.shape[0],))
+        s = jnp.where(amax > 0, _ieee_div(amax, jnp.float32(qmax + 0.5)), jnp.float32(1.0))
+    q = jnp.clip(jnp.round(_ieee_div(xf, s[:, None])), -qmax - 1, qmax).astype(jnp.int8)
+    return q, s.reshape(-1, 1)
+
+
+def _ieee_div(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` correctly rounded: XLA turns a division by a broadcast (a scalar or a row's scale) into a
+    product with the rounded reciprocal, so the divisor is given in ``a``'s shape behind a barrier."""
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
 
 
 def int_matmul(qx: jax.Array, qw: jax.Array) -> jax.Array:
@@ -144,7 +171,7 @@ def act_quant_matmul(x2: jax.Array, k: ActQuantKernel, contracting: tuple[int, .
     times the activation scales.
     """
     w = k.weight
-    qx, sx = quantize_activations(x2, k.act_bits, k.act_granularity, k.act_scale)
+    qx, sx = quantize_activations(x2, k.act_bits, k.act_granularity, k.act_scale, k.act_full_range)
     qw = _weight_int(w)
     gran = w.granularity
     order = w8a8_k_order(w, contracting)
@@ -164,10 +191,12 @@ def act_quant_matmul(x2: jax.Array, k: ActQuantKernel, contracting: tuple[int, .
             wi = jnp.pad(wi, ((0, 0), (0, ng * G - Dg), (0, 0)))
             xi = jnp.pad(xi, ((0, 0), (0, 0), (0, ng * G - Dg)))
         sc = jnp.transpose(wscale, order + free).reshape(O * ng, N)
-        # Each group's sum of G integer products is < 2**24 when G * 127 * wmax < 2**24, so float32
-        # accumulates it exactly (and XLA:CPU runs float batched dots far faster than int32 ones).
+        # Each group's sum of G integer products is < 2**24 when G * amax * wmax < 2**24 (amax = 127 for
+        # int8 activations, 128 on the full-range grid), so float32 accumulates it exactly (and XLA:CPU
+        # runs float batched dots far faster than int32 ones).
         wmax = 2 ** (w.bits - 1) if w.symmetric else 2**w.bits - 1
-        exact_f32 = G * (2 ** (k.act_bits - 1) - 1) * wmax < 2**24
+        amax = 2 ** (k.act_bits - 1) - (0 if k.act_full_range else 1)
+        exact_f32 = G * amax * wmax < 2**24
         acc_dtype = jnp.float32 if exact_f32 else jnp.int32
         acc = jnp.einsum(
             "mgk,gkn->mgn",
@@ -194,6 +223,8 @@ def _w8a8_operands(x2: jax.Array, k: ActQuantKernel, pk: Any):
         return f"activation dtype {jnp.dtype(x2.dtype).name} (eqjax quantizes float activations)"
     if len(w.shape) != 2:
         return "weight is not 2-D"
+    if k.act_full_range:
+        return "full-range activation codes (the kernel's codes stay within +-qmax)"
     if not w.symmetric:
         return "asymmetric weights"
     if w.packed:

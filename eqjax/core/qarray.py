@@ -375,18 +375,25 @@ class ActQuantKernel:
         e.g. calibrated by SmoothQuant or tracked by :mod:`eqjax.calibration.ema`.
       act_bits: activation bits (8).
       act_granularity: ``"token"`` (one scale per row of the flattened input) or ``"tensor"``.
+      act_full_range: the activation grid. False (eqjax's): ``scale = absmax / qmax`` with
+        ``qmax = 2**(act_bits-1) - 1``, codes in ``[-qmax, qmax]``. True (the compressed-tensors package's
+        rule for int activations, which checkpoints in that format are evaluated with):
+        ``scale = absmax / (qmax + 1/2)`` (127.5 at 8 bits), codes in ``[-qmax - 1, qmax]``.
     """
 
     weight: QArray
     act_scale: jax.Array | None = None
     act_bits: int = 8
     act_granularity: Literal["token", "tensor"] = "token"
+    act_full_range: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.act_bits <= 8:
             raise ValueError(f"activation bits must be in 2..8, got {self.act_bits}")
         if self.act_granularity not in ("token", "tensor"):
             raise ValueError(f"act_granularity must be 'token' or 'tensor', got {self.act_granularity!r}")
+        if not isinstance(self.act_full_range, bool):
+            raise ValueError(f"act_full_range must be a bool, got {self.act_full_range!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -401,7 +408,7 @@ class ActQuantKernel:
 jax.tree_util.register_dataclass(
     ActQuantKernel,
     data_fields=["weight", "act_scale"],
-    meta_fields=["act_bits", "act_granularity"],
+    meta_fields=["act_bits", "act_granularity", "act_full_range"],
 )
 
 

@@ -17,7 +17,8 @@ weight-only, 2 / 4 / 8 bits            ``com.microsoft.MatMulNBits``: B ``[N, K/
 weight-only, 5..7 bits                 ``DequantizeLinear`` (canonical ``[K, N]``, per-axis or blocked)
                                        -> ``MatMul``
 ActQuantKernel (W8A8)                  per-token int8 activations as :func:`eqjax.core.linear.quantize_activations`
-                                       (scale ``ReduceMax(Abs) / 127``, codes by ``QuantizeLinear`` per
+                                       (scale ``ReduceMax(Abs) / 127``, or 127.5 on the full-range
+                                       grid; codes by ``QuantizeLinear`` per
                                        row, once per input: siblings share them), then
                                        ``com.microsoft.MatMulIntegerToFloat`` with uint8 activations
                                        (``q + 128``, zero point 128) and the weight scales; weights int8
@@ -367,29 +368,34 @@ def _quantize_rows(g: Graph, x: str, k: ActQuantKernel, K: int, hint: str,
     share them); the per-token zero points once per ``lead`` (fewer nodes for onnxruntime to dispatch), or
     from the scale's shape where ``lead`` is unknown."""
     qmax = float(2 ** (k.act_bits - 1) - 1)
+    lo = -qmax - 1 if k.act_full_range else -qmax  # the grid of eqjax.core.linear.quantize_activations
     static = None if k.act_scale is None else np.asarray(k.act_scale, np.float32).reshape(-1)[:1]
 
     def make() -> tuple[str, str]:
-        if static is not None:  # a static scale: codes may leave +-qmax, so clip as eqjax does
+        if static is not None:  # a static scale: codes may leave the grid, so clip as eqjax does
             s = g.const(static.reshape(()))
             r = g.op("Round", [g.op("Div", [x, s])])
-            qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(-qmax), g.const(qmax)]), g.const(128.0)])],
+            qx = g.op("Cast", [g.op("Add", [g.op("Clip", [r, g.const(lo), g.const(qmax)]), g.const(128.0)])],
                       to=2, hint=hint + ".qx")  # 2 = UINT8
             return qx, s
-        # a dynamic scale keeps |x / s| <= qmax, so one QuantizeLinear (x / s rounded half to even, + 128;
-        # per token: blocked along the last axis, one block of K) gives the codes of Round(Div) + Clip + Cast
+        # a dynamic scale keeps x / s within [-qmax, qmax] (full range: [-qmax - 1/2, qmax + 1/2], whose ends
+        # round half to even to -qmax - 1 and qmax + 1; uint8 saturation clips the latter to qmax, as eqjax
+        # does), so one QuantizeLinear (x / s rounded half to even, + 128; per token: blocked along the last
+        # axis, one block of K) gives the codes of Round(Div) + Clip + Cast
         token = k.act_granularity == "token"
         amax = g.op("ReduceMax", [g.op("Abs", [x])] + ([g.const([-1], np.int64)] if token else []), keepdims=int(token))
         # eqjax gives a zero row scale 1; any positive scale gives it codes 0 and outputs 0, so one Max with
         # the smallest normal float32 (never reached by a real row's absmax / qmax) replaces Greater + Where
-        s = g.op("Max", [g.op("Div", [amax, g.const(qmax)]), g.const(float(np.finfo(np.float32).tiny))],
+        div = qmax + 0.5 if k.act_full_range else qmax
+        s = g.op("Max", [g.op("Div", [amax, g.const(div)]), g.const(float(np.finfo(np.float32).tiny))],
                  hint=hint + ".sx")  # [..., 1] or []
         if not token:
             return g.op("QuantizeLinear", [x, s, g.const(W8A8_ZERO_POINT, np.uint8)], hint=hint + ".qx"), s
         zx = _token_zero_points(g, s, lead)
         return g.op("QuantizeLinear", [x, s, zx], axis=-1, block_size=K, hint=hint + ".qx"), s
 
-    key = ("act-q", x, K, k.act_bits, k.act_granularity, None if static is None else static.tobytes())
+    key = ("act-q", x, K, k.act_bits, k.act_granularity, k.act_full_range,
+           None if static is None else static.tobytes())
     return g.memo(key, make)
 
 

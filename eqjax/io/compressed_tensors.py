@@ -12,6 +12,13 @@ linear ``P`` (HF weight ``P.weight`` of shape ``[out, in]``) is stored as:
 * ``int-quantized`` (W8A8): ``P.weight`` int8 ``[out, in]``, ``P.weight_scale`` ``[out, 1]``; activations
   int8 per token (dynamic) or per tensor with a static ``P.input_scale`` ``[1]``.
 
+The format's int activations are quantized by the package's rule: ``scale = absmax / 127.5`` (dynamic) and
+codes ``round(x / scale)`` clipped to ``[-128, 127]``. eqjax reads every int-quantized directory onto that
+grid (``ActQuantKernel(act_full_range=True)``), so its evaluation of a directory agrees with the package's.
+A W8A8 model eqjax quantized on its own grid (``absmax / 127`` in ``[-127, 127]``) is written unchanged:
+its weights and static scales are the same numbers, and its activations are computed on the package's grid
+once the directory is read, by eqjax or by transformers.
+
 The format's integers are signed: ``q`` in ``[-2**(b-1), 2**(b-1) - 1]`` with ``x = (q - zp) * scale``, and
 packing adds ``2**(b-1)``. eqjax's unsigned codes and zero points (:mod:`eqjax.core.qarray`) are exactly the
 packed unsigned values, so writing and reading move integers without a float detour.
@@ -395,7 +402,8 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
     act_kw = None
     if a is not None:
         act_scale = jnp.asarray(np.asarray(need("input_scale"), np.float32).reshape(())) if static else None
-        act_kw = {"act_scale": act_scale, "act_bits": 8, "act_granularity": "tensor" if static else "token"}
+        act_kw = {"act_scale": act_scale, "act_bits": 8, "act_granularity": "tensor" if static else "token",
+                  "act_full_range": True}
     bounds = np.cumsum([0] + [s[-1] for s in t.shapes]).tolist()
     parts = []
     u = unpacked(0, n_out) if bits > 4 else None  # 2..4 bits: unpacked and packed again a piece of rows at a time

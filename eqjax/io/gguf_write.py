@@ -25,15 +25,15 @@ params were loaded from, or made from a source HF directory's config.json and to
 converter makes it (:func:`eqjax.io.gguf_meta.hf_gguf_metadata`); ``general.file_type`` is set from the
 tensors written. Q and K rows are
 permuted back to llama.cpp's interleaved-RoPE order (the inverse of :func:`eqjax.io.gguf.unpermute_qk`).
-The file is written to a temporary sibling and renamed, then read back with :func:`eqjax.io.gguf.load_gguf`
-and compared with eqjax's own dequantized weights.
+The file is written to a temporary sibling and renamed, then read back a tensor at a time (its metadata,
+tokenizer, tensor names, types and shapes) and compared with eqjax's own dequantized weights.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,9 +43,9 @@ from eqjax.core.qarray import ActQuantKernel, QArray, is_quantized
 from eqjax.export.graph import ExportError
 from eqjax.export.qlower import blocked, half_initializer, lowered_at_use
 from eqjax.io.atomic import atomic_path, check_output_file
-from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_gguf, tensor_plan
+from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_tokenizer, tensor_plan
 from eqjax.io.gguf_meta import hf_gguf_metadata
-from eqjax.io.hf import CheckpointError, read_config
+from eqjax.io.hf import CheckpointError, StreamedParams, read_config
 
 __all__ = ["export_gguf", "source_metadata", "gguf_blocks", "permute_qk", "BLOCK"]
 
@@ -151,14 +151,45 @@ def source_metadata(source: str | os.PathLike[str]) -> tuple[Any, list[tuple[str
     return cfg, entries
 
 
-def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
-                overwrite: bool = False) -> dict[str, Any]:
-    """Write ``params`` (eqjax's Llama tree, quantized or not) as a GGUF file with the metadata of ``source``
-    (a GGUF file or an HF directory: :func:`source_metadata`).
+def _leaf_getter(params: Any, src: str) -> tuple[set[str], Callable[[tuple[str, ...]], Any]]:
+    """``(every param path, path -> leaf)`` of a nested params dict or a :class:`~eqjax.io.hf.StreamedParams`
+    (read one leaf at a time, so a model larger than memory is written a tensor at a time)."""
+    if isinstance(params, StreamedParams):
+        return set(params.paths), lambda where: params.load(["/".join(where)])["/".join(where)]
+    return {p for p, _ in flatten(params)}, lambda where: _get(params, where, src)
 
-    Every tensor is converted (and every unsupported leaf refused) before anything is written. Returns a
-    summary: tensor types and counts, bytes, and the read-back check (``max_abs_diff`` of the file's
-    dequantized weights against eqjax's, per tensor type).
+
+def _gguf_tensor(leaf: Any, linear: bool, heads: int | None, path: str) -> tuple[str, np.ndarray]:
+    """The GGUF type name and data of one leaf (torch layout, Q/K rows in llama.cpp's order)."""
+    if half_initializer(leaf):  # a float16 HalfFloat: exact, 2 bytes each
+        ref = _reference(leaf, linear, None)
+        return "F16", np.ascontiguousarray((ref if heads is None else permute_qk(ref, heads)).astype(np.float16))
+    if lowered_at_use(leaf):
+        codes, scales, zps, bits = _torch_blocks(leaf, linear, path)
+        if heads is not None:
+            codes, scales, zps = (permute_qk(a, heads) for a in (codes, scales, zps))
+        return gguf_blocks(codes, scales, zps, bits, path)
+    ref = _reference(leaf, linear, None)
+    return "F32", np.ascontiguousarray(ref if heads is None else permute_qk(ref, heads))
+
+
+def _reference(leaf: Any, linear: bool, heads: int | None) -> np.ndarray:
+    """eqjax's float32 weights of ``leaf`` in torch layout (``[rows, K]``), in llama.cpp's row order with ``heads``."""
+    ref = np.asarray(dequantize_leaf(leaf) if is_quantized(leaf) else leaf, np.float32)
+    ref = ref.T if linear else ref
+    return ref if heads is None else permute_qk(ref, heads)
+
+
+def export_gguf(params: Any, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
+                overwrite: bool = False) -> dict[str, Any]:
+    """Write ``params`` (eqjax's Llama tree, quantized or not, or a :class:`~eqjax.io.hf.StreamedParams` read a
+    tensor at a time) as a GGUF file with the metadata of ``source`` (a GGUF file or an HF directory:
+    :func:`source_metadata`).
+
+    Every tensor is converted (and every unsupported leaf refused) before the file is opened; converted tensors
+    wait in the ``gguf`` writer's temporary file, so one tensor at a time is in memory. Returns a summary: tensor
+    types and counts, bytes, and the read-back check (``max_abs_diff`` of the file's dequantized weights against
+    eqjax's, per tensor type).
     """
     import gguf
 
@@ -166,55 +197,78 @@ def export_gguf(params: dict, out: str | os.PathLike[str], *, source: str | os.P
     src = os.fspath(source)
     out = check_output_file(out, overwrite=overwrite, what="GGUF file")
     cfg, entries = source_metadata(src)
+    paths, get = _leaf_getter(params, src)
     plan = {name: (where, linear, heads)
-            for name, (where, _, linear, heads) in tensor_plan(cfg, tied="lm_head" not in params).items()}
-    extra = sorted(set(p for p, _ in flatten(params)) - {"/".join(w) for w, _, _ in plan.values()})
+            for name, (where, _, linear, heads) in tensor_plan(cfg, tied="lm_head/kernel" not in paths).items()}
+    extra = sorted(paths - {"/".join(w) for w, _, _ in plan.values()})
     if extra:
         raise GGUFError(f"{src}: params hold {extra[:3]} that a llama GGUF file has no tensor for")
-    tensors: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}  # name -> (type, data, eqjax's float [rows, K])
-    for name, (where, linear, heads) in plan.items():
-        leaf = _get(params, where, src)
-        path = "/".join(where)
-        ref = np.asarray(dequantize_leaf(leaf) if is_quantized(leaf) else leaf, np.float32)
-        ref = ref.T if linear else ref
-        if half_initializer(leaf):  # a float16 HalfFloat: exact, 2 bytes each
-            kind, data = "F16", np.ascontiguousarray((ref if heads is None else permute_qk(ref, heads)).astype(np.float16))
-        elif lowered_at_use(leaf):
-            codes, scales, zps, bits = _torch_blocks(leaf, linear, path)
-            if heads is not None:
-                codes, scales, zps = (permute_qk(a, heads) for a in (codes, scales, zps))
-            kind, data = gguf_blocks(codes, scales, zps, bits, path)
-        else:
-            kind, data = "F32", np.ascontiguousarray(ref if heads is None else permute_qk(ref, heads))
-        tensors[name] = (kind, data, ref)
-    kinds = {k for k, _, _ in tensors.values() if k != "F32"}
+    kinds: dict[str, str] = {}
+    sizes: dict[str, int] = {}
     with atomic_path(out) as tmp:
-        w = gguf.GGUFWriter(tmp, "llama")
+        w = gguf.GGUFWriter(tmp, "llama", use_temp_file=True)
         for key, value, kind, sub in entries:
             w.add_key_value(key, value, kind, sub_type=sub)
-        main = max(kinds, key=lambda k: sum(d.nbytes for t, d, _ in tensors.values() if t == k)) if kinds else "F32"
+        for name, (where, linear, heads) in plan.items():
+            kind, data = _gguf_tensor(get(where), linear, heads, "/".join(where))
+            w.add_tensor(name, data, raw_dtype=None if kind == "F32" else getattr(gguf.GGMLQuantizationType, kind))
+            kinds[name], sizes[kind] = kind, sizes.get(kind, 0) + data.nbytes
+            del data
+        quant = {k: v for k, v in sizes.items() if k != "F32"}
+        main = max(quant, key=quant.__getitem__) if quant else "F32"
         w.add_uint32("general.file_type", _FILE_TYPE[main])
-        for name, (kind, data, _) in tensors.items():
-            qtype = getattr(gguf.GGMLQuantizationType, kind)
-            w.add_tensor(name, data, raw_dtype=None if kind == "F32" else qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
     return {"path": str(out), "bytes": Path(out).stat().st_size, "file_type": main,
-            "tensor_types": {k: sum(t == k for t, _, _ in tensors.values()) for k in sorted({t for t, _, _ in tensors.values()})},
-            "check": _check(out, params, tensors, plan)}
+            "tensor_types": {k: sum(t == k for t in kinds.values()) for k in sorted(set(kinds.values()))},
+            "check": _check(out, cfg, get, plan, kinds)}
 
 
-def _check(out: Path, params: dict, tensors: dict, plan: dict) -> dict[str, float]:
-    """The written file read back by :func:`load_gguf`: max |file - eqjax| per tensor type (eqjax's layout)."""
-    _, back, _ = load_gguf(out)
+_CHECK_PIECE = 1 << 26  # bytes of a tensor's rows read back and dequantized at once
+
+
+def _check(out: Path, cfg: Any, get: Callable[[tuple[str, ...]], Any], plan: dict,
+           kinds: dict[str, str]) -> dict[str, float]:
+    """The written file read back: its metadata parsed to ``cfg``'s config and a tokenizer, every tensor's name,
+    type and shape, and max |file - eqjax| per tensor type. A tensor at a time, its rows dequantized in pieces
+    read from the file (not memory-mapped), so the check holds one tensor's eqjax weights and a piece of the
+    file's."""
+    from gguf.quants import dequantize
+
+    reader = _open(out)
+    back = config_from_metadata(_metadata(reader), source=str(out))
+    if (back.hidden, back.n_layers, back.vocab) != (cfg.hidden, cfg.n_layers, cfg.vocab):
+        raise GGUFError(f"{out}: read back as another model ({back.hidden} wide, {back.n_layers} layers, "
+                        f"{back.vocab} tokens)")
+    load_tokenizer(out)
+    tensors = {t.name: t for t in reader.tensors}
+    if set(tensors) != set(plan):
+        raise GGUFError(f"{out}: read back with tensors {sorted(set(tensors) ^ set(plan))[:3]} differing from the plan")
     worst: dict[str, float] = {}
-    for name, (kind, _, ref) in tensors.items():
-        where, linear, _ = plan[name]
-        got = np.asarray(_get(back, where, str(out)), np.float32)
-        got = got.T if linear else got
-        worst[kind] = max(worst.get(kind, 0.0), float(np.abs(got - ref).max()))
+    with open(out, "rb") as f:
+        for name, (where, linear, heads) in plan.items():
+            t, kind = tensors[name], kinds[name]
+            if t.tensor_type.name != kind:
+                raise GGUFError(f"{out}: tensor {name!r} read back as {t.tensor_type.name}, written as {kind}")
+            ref = _reference(get(where), linear, heads)
+            if tuple(int(n) for n in reversed(t.shape)) != ref.shape:
+                raise GGUFError(f"{out}: tensor {name!r} read back with shape {tuple(reversed(t.shape))}, "
+                                f"written {ref.shape}")
+            ref = ref.reshape(ref.shape[0], -1)
+            rows = ref.shape[0]
+            row_bytes = int(t.n_bytes) // rows
+            step = max(1, _CHECK_PIECE // max(1, row_bytes))
+            err = 0.0
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                f.seek(int(t.data_offset) + r0 * row_bytes)
+                raw = np.frombuffer(f.read((r1 - r0) * row_bytes), np.uint8).reshape(r1 - r0, row_bytes)
+                got = np.asarray(dequantize(raw, t.tensor_type), np.float32).reshape(r1 - r0, -1)
+                err = max(err, float(np.abs(got - ref[r0:r1]).max()))
+            worst[kind] = max(worst.get(kind, 0.0), err)
+            del ref
     return worst
 
 

@@ -115,7 +115,7 @@ def _encode(path: str, leaf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
             arrays[f"{path}::act_scale"] = leaf.act_scale
         return {"kind": "act_quant", "weight": _qarray_meta(leaf.weight), "act_bits": leaf.act_bits,
                 "act_granularity": leaf.act_granularity, "static_scale": leaf.act_scale is not None,
-                "shape": list(leaf.weight.shape)}
+                "shape": list(leaf.weight.shape), **({"act_full_range": True} if leaf.act_full_range else {})}
     arrays[path] = leaf
     return {"kind": "array", "shape": _logical_shape(leaf), "dtype": jnp.dtype(leaf.dtype).name}
 
@@ -142,7 +142,7 @@ def _decode(meta: dict[str, Any], arrays: dict[str, Any], path: str, root: pathl
     if kind == "act_quant":
         act = jnp.asarray(arrays[f"{path}::act_scale"]) if meta["static_scale"] else None
         return ActQuantKernel(_build_qarray(meta["weight"], arrays, path), act, int(meta["act_bits"]),
-                              meta["act_granularity"])
+                              meta["act_granularity"], meta.get("act_full_range", False))
     if kind == "rotated" and isinstance(meta.get("inner"), dict) and meta["inner"].get("kind") != "rotated":
         inner = _decode(meta["inner"], arrays, path, root)
         axis = int(meta["axis"])

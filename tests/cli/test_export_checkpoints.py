@@ -203,9 +203,12 @@ def test_export_gguf_from_an_hf_directory(fx, tmp_path, capsys):
 
 
 def test_export_gguf_refuses_a_model_larger_than_memory(fx, tmp_path, capsys, monkeypatch):
-    """export-gguf holds the model's float32 weights whole: with the available memory faked one byte below their
-    size, an HF directory is refused in one line before anything is loaded or written."""
+    """A float HF directory is loaded whole to be quantized: with the available memory faked one byte below its
+    float32 weights, it is refused in one line before anything is loaded or written. A compressed-tensors
+    directory as its own model is read a tensor at a time instead: the same bytes as with every tensor in memory."""
     import eqjax.cli.sources as sources
+    from eqjax.io.compressed_tensors import load_compressed_tensors
+    from eqjax.io.gguf_write import export_gguf
 
     need = 4 * sum(int(np.prod(s)) for s in jax.tree.leaves(
         stream_model(fx["tiny"])[0].param_shapes(), is_leaf=lambda x: isinstance(x, tuple)))
@@ -215,6 +218,14 @@ def test_export_gguf_refuses_a_model_larger_than_memory(fx, tmp_path, capsys, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model too large for export-gguf (--model" in err[0], err
     assert not out.exists()
+    import eqjax.cli.export as cli_export
+
+    monkeypatch.setattr(cli_export, "load_source", lambda *a, **k: pytest.fail("loaded whole"))
+    assert main(["export-gguf", "--checkpoint", fx["ct"], "--out", str(out)]) == 0
+    assert "recipe compressed-tensors" in capsys.readouterr().out
+    whole = export_gguf(load_compressed_tensors(fx["ct"])[1], tmp_path / "w.gguf", source=fx["ct"])
+    assert out.read_bytes() == (tmp_path / "w.gguf").read_bytes()
+    assert whole["check"]["Q4_1"] > 0  # d and m rounded to float16 from the directory's scales
 
 
 def test_search_takes_a_float_hf_directory(fx, tmp_path):

@@ -87,6 +87,42 @@ def test_static_activation_scale_clips():
     np.testing.assert_allclose(y, [[0.5, 1.0, -1.0, 0.0]], atol=1e-2)
 
 
+@given(st.data())
+def test_full_range_activation_grid_is_the_packages_rule(data):
+    """``full_range``: ``s = fl(absmax / 127.5)`` (1 for a zero row), codes ``clip(round(fl(x / s)), -128, 127)``
+    in IEEE float32 (numpy as the oracle), per token, per tensor and with a static scale; every value within
+    the range is within half a step of its code, and both ends of the grid are used."""
+    m, k = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 40))
+    x = data.draw(hnp.arrays(np.float32, (m, k), elements=st.floats(-1e4, 1e4, width=32)))
+    gran = data.draw(st.sampled_from(["token", "tensor", "static"]))
+    static = np.float32(data.draw(st.floats(0.125, 10.0, width=32))) if gran == "static" else None
+    qx, s = quantize_activations(jnp.asarray(x), 8, "tensor" if gran == "tensor" else "token", static, True)
+    qx, s = np.asarray(qx), np.asarray(s)
+    if static is not None:
+        want_s = np.full((m, 1), static, np.float32)
+    else:
+        amax = np.abs(x).max(axis=1, keepdims=True) if gran == "token" else np.full((m, 1), np.abs(x).max())
+        want_s = np.where(amax > 0, (amax / np.float32(127.5)).astype(np.float32), np.float32(1))
+    np.testing.assert_array_equal(s, want_s)
+    np.testing.assert_array_equal(qx, np.clip(np.round(x / want_s), -128, 127))
+    inside = np.abs(x / want_s.astype(np.float64)) <= 127.5
+    err = np.abs(x.astype(np.float64) - qx.astype(np.float64) * want_s)
+    assert np.all(err[inside] <= want_s.astype(np.float64).repeat(k, 1)[inside] * (0.5 + 130 * 2.0**-24))
+
+
+def test_full_range_reaches_minus_128():
+    """``-127.5`` with absmax 127.5: scale 1 and code -128 on the full-range grid (half to even), -127 on
+    eqjax's (scale ``127.5 / 127``); the W8A8 product carries the code: ``-128 * 1`` times scale 1."""
+    x = jnp.asarray([[-127.5, 64.0, 0.5], [0.0, 0.0, 0.0]])
+    q_full, s_full = quantize_activations(x, full_range=True)
+    q_own, _ = quantize_activations(x)
+    np.testing.assert_array_equal(np.asarray(q_full), [[-128, 64, 0], [0, 0, 0]])
+    assert int(q_own[0, 0]) == -127 and np.asarray(s_full).tolist() == [[1.0], [1.0]]
+    w = quantize(jnp.ones((3, 1)), QuantSpec(8, True, per_channel(1)))
+    y = np.asarray(act_quant_matmul(x[:1], ActQuantKernel(w, act_full_range=True)))
+    np.testing.assert_array_equal(y, [[-128.0 + 64.0]])
+
+
 @pytest.mark.parametrize("bits,sym", [(4, True), (4, False), (3, False), (8, False)])
 def test_weight_only_equals_dequantized_matmul(bits, sym):
     rng = np.random.default_rng(2)
@@ -279,6 +315,8 @@ def test_pallas_uncovered_layouts_fall_back_to_xla():
     cases = {
         "group-wise W8A8": (ActQuantKernel(quantize(w, QuantSpec(8, True, per_group(0, 32)))), "weight scales"),
         "asymmetric W8A8": (ActQuantKernel(quantize(w, QuantSpec(8, False, per_channel(1)))), "asymmetric"),
+        "full-range activations": (ActQuantKernel(quantize(w, QuantSpec(8, True, per_channel(1))),
+                                                   act_full_range=True), "full-range"),
         "W4A8": (ActQuantKernel(quantize(w, QuantSpec(4, True, per_channel(1)))), "packed"),
         "per-channel 4-bit": (quantize(w, QuantSpec(4, True, per_channel(1))), "weight scales"),
         "3-bit": (quantize(w, QuantSpec(3, False, per_group(0, 32))), "3-bit"),

@@ -44,6 +44,10 @@ LAYERS = {
     "w8a8-tensor": lambda: ActQuantKernel(_q(8, True, per_channel(-1)), None, 8, "tensor"),
     "w8a8-g64": lambda: ActQuantKernel(_q(8, True, per_group(0, 64)), None, 8, "token"),
     "w8a8-static": lambda: ActQuantKernel(_q(8, True, per_channel(-1)), jnp.float32(0.02), 8, "token"),
+    # the compressed-tensors package's grid (absmax / 127.5, codes down to -128), as read from its checkpoints
+    "w8a8-token-full": lambda: ActQuantKernel(_q(8, True, per_channel(-1)), None, 8, "token", True),
+    "w8a8-tensor-full": lambda: ActQuantKernel(_q(8, True, per_channel(-1)), None, 8, "tensor", True),
+    "w8a8-static-full": lambda: ActQuantKernel(_q(8, True, per_channel(-1)), jnp.float32(0.02), 8, "token", True),
 }
 EXPECTED_OP = {"fp": "MatMul", "w8": "MatMulNBits", "w4": "MatMulNBits", "w2": "MatMulNBits", "w8a8": "MatMulInteger"}
 

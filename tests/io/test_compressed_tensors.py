@@ -223,6 +223,37 @@ def test_a_peer_checkpoint_loads_as_qarrays(fp_dir, tmp_path, weights, acts) -> 
     assert np.abs(got - ref).max() <= tol
 
 
+def test_a_peer_w8a8_linear_quantizes_its_activations_as_the_package_does(fp_dir, tmp_path) -> None:
+    """A W8A8 linear of a package-made checkpoint, read by eqjax, against the package's own forward in
+    transformers on the same rows (a zero row, a row whose largest magnitude is negative, rows of every
+    size): the same activation codes, so the outputs differ by summation order only,
+    ``|d| <= (K + 4) u s ws sum |q||w|``. eqjax's own grid (``absmax / 127``) on the same weights does not."""
+    from eqjax.core.linear import act_quant_matmul
+
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    d = _peer_checkpoint(fp_dir, tmp_path / "peer", {"num_bits": 8, "type": "int", "symmetric": True,
+                                                     "strategy": "channel"}, acts)
+    _, q = load_compressed_tensors(d)
+    leaf = q["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(leaf, ActQuantKernel) and leaf.act_full_range
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    K = leaf.shape[0]
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((12, K)) * np.exp(rng.uniform(-6, 6, (12, 1)))).astype(np.float32)
+    x[0] = 0.0
+    x[1, 7] = -4 * np.abs(x[1]).max()
+    with torch.no_grad():
+        m(torch.tensor(IDS, dtype=torch.long))  # the package decompresses the weights on the first forward
+        ref = m.model.layers[0].mlp.up_proj(torch.from_numpy(x)[None])[0].numpy().astype(np.float64)
+    got = np.asarray(act_quant_matmul(jnp.asarray(x), leaf), np.float64)
+    s = np.where(np.abs(x).max(1) > 0, np.abs(x).max(1) / 127.5, 1.0)[:, None]
+    w = np.abs(np.asarray(dequantize_leaf(leaf.weight), np.float64))
+    bound = (K + 4) * EPS32 * (np.abs(x) / s + 1) @ w * s
+    assert np.all(np.abs(got - ref) <= bound)
+    own = np.asarray(act_quant_matmul(jnp.asarray(x), ActQuantKernel(leaf.weight)), np.float64)
+    assert np.any(np.abs(own - ref) > bound)
+
+
 @pytest.mark.parametrize("name, why", [
     ("fp", "quantizes no weight"), ("kv8", "KV cache"), ("w3g128-rtn", "3-bit"),
     ("w4a8-zeroquant-lkd", "4-bit weights with int8 activations"), ("w4g128-rtn+emb-int8", "embedding"),

@@ -209,3 +209,27 @@ def test_half_floats_are_written_as_f16(source, tmp_path):
     for path, leaf in flatten(q):
         np.testing.assert_array_equal(np.asarray(back[path], np.float32), np.asarray(dequantize_leaf(leaf), np.float32),
                                       err_msg=path)
+
+
+def test_read_back_check_reads_every_piece_of_the_file(source, tmp_path, monkeypatch):
+    """The read-back check dequantizes the file's own bytes a few rows at a time: the same figures in pieces of
+    two rows as in one, 0 for exact Q4_0 blocks, and a flipped byte in the last row of one tensor is seen."""
+    import eqjax.io.gguf_write as gw
+    from eqjax.io.gguf import tensor_plan
+
+    cfg, params, _ = load_gguf(source)
+    q = quantize(params, Recipe("w4g32-sym", (RTN((weight_rule(4, group=32),)),)), model=Model(cfg))
+    out = tmp_path / "m.gguf"
+    info = export_gguf(q, out, source=source)
+    assert info["check"]["Q4_0"] == 0.0
+    plan = {n: (w, lin, h) for n, (w, _, lin, h) in tensor_plan(cfg, tied="lm_head" not in q).items()}
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    kinds = {n: t.tensor_type.name for n, t in tensors.items()}
+    monkeypatch.setattr(gw, "_CHECK_PIECE", 2 * 18 * 96 // 32)  # two rows of ffn_down's Q4_0 blocks
+    get = lambda where: gw._get(q, where, "q")  # noqa: E731
+    assert gw._check(out, cfg, get, plan, kinds) == info["check"]
+    t = tensors["blk.0.ffn_down.weight"]
+    data = bytearray(out.read_bytes())
+    data[int(t.data_offset) + int(t.n_bytes) - 1] ^= 0xFF
+    out.write_bytes(bytes(data))
+    assert gw._check(out, cfg, get, plan, kinds)["Q4_0"] > 0

@@ -30,6 +30,26 @@ def test_reload_gives_identical_logits(tmp_path, name):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_full_range_activation_grid_round_trip(tmp_path):
+    """An ActQuantKernel on the compressed-tensors grid (as read from such a checkpoint) keeps it through
+    Orbax; a manifest without the key (eqjax's own grid) reads as before."""
+    from eqjax.core.qarray import ActQuantKernel
+
+    model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
+    q = quantize(model.init_params(jax.random.PRNGKey(1)), get_recipe("w8a8-naive"), model=model)
+    up = q["layers_0"]["mlp"]["up_proj"]
+    up["kernel"] = ActQuantKernel(up["kernel"].weight, act_full_range=True)
+    save_quantized(tmp_path / "ck", q, recipe="w8a8-naive")
+    m = json.loads((tmp_path / "ck" / "eqjax.json").read_text())
+    assert m["leaves"]["layers_0/mlp/up_proj/kernel"]["act_full_range"] is True
+    assert "act_full_range" not in m["leaves"]["layers_0/mlp/down_proj/kernel"]
+    q2, _ = load_quantized(tmp_path / "ck")
+    assert q2["layers_0"]["mlp"]["up_proj"]["kernel"].act_full_range
+    assert not q2["layers_0"]["mlp"]["down_proj"]["kernel"].act_full_range
+    toks = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % 64
+    np.testing.assert_array_equal(np.asarray(model.apply(q, toks)[0]), np.asarray(model.apply(q2, toks)[0]))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_rotated_model_round_trip(tmp_path, tied):
     """A QuaRot model: online-rotated down_proj (RotatedKernel: seed and axis in the manifest) and the

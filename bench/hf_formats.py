@@ -50,7 +50,7 @@ sys.path[:] = [str(ROOT)] + [x for x in sys.path if pathlib.Path(x or ".").resol
 import eqjax  # noqa: E402
 from eqjax.cli.formats import _tokenizer  # noqa: E402  (what `eqjax quantize --format compressed-tensors` writes)
 from eqjax.core.pytree import tree_nbytes  # noqa: E402
-from eqjax.evaluate import perplexity  # noqa: E402
+from eqjax.evaluate import perplexity, rounding_band  # noqa: E402
 from eqjax.io.atomic import write_json, write_text  # noqa: E402
 from eqjax.io.compressed_tensors import load_compressed_tensors, save_compressed_tensors  # noqa: E402
 from eqjax.io.hf import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
@@ -208,13 +208,18 @@ def run_peers(setup, work: pathlib.Path) -> tuple[dict, list[dict]]:
         make_s = time.perf_counter() - t0
         m2, p2 = load_compressed_tensors(d)
         ppl_e = eq_ppl(m2, p2, windows)
+        # int8 activations: eqjax's own spread under 1..3-ulp copies of the params, the noise any other correct
+        # implementation of the same model shows against eqjax on these windows
+        band = rounding_band(m2, p2, windows)[1:] if acts else None
         del p2
         hf = hf_ppl(d, windows)
         qc = json.loads((d / "config.json").read_text())["quantization_config"]
         rows.append({"peer": name, "weights": weights, "input_activations": acts, "format": qc.get("format"),
                      "make_s": make_s, "dir_bytes": dir_bytes(d), "ppl_hf": hf["ppl"], "hf_loader": hf["loader"],
                      "transformers_error": hf["transformers_error"], "ppl_eqjax": ppl_e,
-                     "diff_eqjax_vs_hf_pct": rel_pct(ppl_e, hf["ppl"]), "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                     "diff_eqjax_vs_hf_pct": rel_pct(ppl_e, hf["ppl"]), "ulp_band_ppl": band,
+                     "ulp_band_pct": None if band is None else max(abs(rel_pct(b, ppl_e)) for b in band),
+                     "when": time.strftime("%Y-%m-%dT%H:%M:%S")})
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(d, ignore_errors=True)
     return fp_row, rows
@@ -240,10 +245,12 @@ def markdown(d: dict) -> str:
         lines += ["", f"Float SmolLM2 (HF float32 directory from the GGUF params): eqjax in memory {f['ppl_eqjax_memory']:.3f}, "
                   f"eqjax from the directory {f['ppl_eqjax_hf_dir']:.3f}, transformers {f['ppl_hf']:.3f}."]
     if d.get("peers"):
-        lines += ["", "| peer checkpoint (compressed-tensors package) | format | ppl transformers | ppl eqjax | diff | dir MB |",
-                  "|---|---|--:|--:|--:|--:|"]
+        lines += ["", "| peer checkpoint (compressed-tensors package) | format | ppl transformers | ppl eqjax | diff | "
+                  "eqjax 1-3 ulp band | dir MB |", "|---|---|--:|--:|--:|--:|--:|"]
         lines += [f"| {p['peer']} | {p['format']} | {p['ppl_hf']:.3f} | {p['ppl_eqjax']:.3f} | "
-                  f"{p['diff_eqjax_vs_hf_pct']:+.3f} % | {p['dir_bytes'] / 1e6:.1f} |" for p in d["peers"]]
+                  f"{p['diff_eqjax_vs_hf_pct']:+.3f} % | "
+                  + ("-" if p.get("ulp_band_pct") is None else f"+-{p['ulp_band_pct']:.3f} %")
+                  + f" | {p['dir_bytes'] / 1e6:.1f} |" for p in d["peers"]]
     lines += ["", f"Run {m['when']}, {m['cpu']}, {m['cpus']} CPUs, load average {m['load_avg_start']:.1f} -> "
               f"{m['load_avg_end']:.1f}; jax {m['versions']['jax']}, transformers {m['versions']['transformers']}, "
               f"compressed-tensors {m['versions']['compressed_tensors']}, torch {m['versions']['torch']}."]

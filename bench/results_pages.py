@@ -561,20 +561,24 @@ def page_hf_formats() -> str:
         missed = [p["peer"] for p in d["peers"] if abs(p["diff_eqjax_vs_hf_pct"]) > peer_target]
         body.append("\n" + (f"**Target missed** (|diff| > {peer_target} %): {', '.join(missed)}." if missed else
                             f"Both peer checkpoints are within the {peer_target} % target.") + "\n")
+    if any(r["recipe"].startswith("w8a8") for r in d["rows"]) or any(p["input_activations"] for p in d.get("peers") or []):
+        body.append("**Int8 activations.** The format's int activations are quantized at run time by the "
+                    "compressed-tensors package's rule (its `calculate_qparams` via `compute_dynamic_scales_and_zp`, "
+                    "applied by transformers to each token in every quantized linear's forward): scale absmax / 127.5, "
+                    "codes `round(x / scale)` in [-128, 127]. eqjax reads every int-quantized directory onto that grid "
+                    "(`ActQuantKernel(act_full_range=True)`, `eqjax/io/compressed_tensors.py`), so 'ppl eqjax "
+                    "(directory)' and the HF side compute the same codes up to float summation order. eqjax's own W8A8 "
+                    "recipes quantize activations on absmax / 127 in [-127, 127]: the in-memory column of a `w8a8` row "
+                    "is that grid, the directory columns the package's.\n")
     act_miss = [p["peer"] for p in d.get("peers") or [] if p["input_activations"]
                 and abs(p["diff_eqjax_vs_hf_pct"]) > peer_target]
     act_miss += [f"`{r['recipe']}` ({dt})" for r in d["rows"] if r["recipe"].startswith("w8a8")
                  for dt, f in r["files"].items() if f["hf_loader"] == TRANSFORMERS_LOADER and abs(f["diff_hf_pct"]) > target]
     if act_miss:
-        body.append(f"**Int8 activations ({', '.join(act_miss)}).** The stored integers and scales are read exactly "
-                    "(the weight-only rows agree), but the activations are quantized at run time by each side's own "
-                    "code: eqjax's dynamic int8 scale is absmax / 127 (codes in [-127, 127], `eqjax/core/numerics.py`), "
-                    "the compressed-tensors package's symmetric int8 scale is absmax / 127.5 (codes in [-128, 127], its "
-                    "`calculate_qparams` via `compute_dynamic_scales_and_zp`), which transformers applies to each token in "
-                    "every quantized linear's forward. Two causes are candidates, and this benchmark does not separate "
-                    "them: that different activation grid, and int8 activations' sensitivity to last-bit float "
-                    "differences (an activation that lands on another code propagates through the layers; "
-                    "`eqjax.evaluate.rounding_band` measures that noise on eqjax's side).")
+        body.append(f"**Missed with int8 activations ({', '.join(act_miss)}).** With the same grid on both sides, what "
+                    "remains is int8 activations' sensitivity to last-bit float differences: an activation that lands "
+                    "on another code propagates through the layers (`eqjax.evaluate.rounding_band` measures that noise "
+                    "on eqjax's side).\n")
     machine = (f"{m['cpu']} ({m['cpus']} CPUs, shared with other work), {m['date']}; jax {v['jax']}, transformers "
                f"{v['transformers']}, compressed-tensors {v['compressed_tensors']}, torch {v['torch']}")
     body.append("\n" + source(["hf_formats.json"], machine) + "\n")
@@ -929,10 +933,12 @@ def page_scale() -> str:
         m = d["meta"]
         by_block = bool(m.get("eval_by_block"))
         export = bool(m.get("export"))
+        gguf = bool(m.get("export_gguf"))
         rows = []
         for r in d["rows"]:
             if "error" in r:
-                rows.append([r["model"], r["recipe"], f"failed: {r['error']}"] + [""] * (8 + 2 * by_block + 3 * export))
+                rows.append([r["model"], r["recipe"], f"failed: {r['error']}"]
+                            + [""] * (8 + 2 * by_block + 3 * export + 3 * gguf))
                 continue
             b = base.setdefault(r["recipe"], r["s_per_billion"])
             rows.append([r["model"], f"`{r['recipe']}`", f"{r['parameters'] / 1e9:.3f} B", f1(r["quantize_s"]),
@@ -941,7 +947,10 @@ def page_scale() -> str:
                          *(ev(r, "by_block_") if by_block else []),
                          *(([f1(r["export_s"]), f2(r["export_peak_rss_gib"]), f2(r["export_bytes"] / 2**30)]
                             if "export_s" in r else [f"failed: {r.get('export_error', '-')}", "-", "-"])
-                           if export else [])])
+                           if export else []),
+                         *(([f1(r["gguf_s"]), f2(r["gguf_peak_rss_gib"]), f2(r["gguf_bytes"] / 2**30)]
+                            if "gguf_s" in r else [f"failed: {r.get('gguf_error', '-')}", "-", "-"])
+                           if gguf else [])])
         body.append(f"Calibration: {m['calib_windows']} x {m['calib_len']} tokens (round-to-nearest takes none). "
                     f"'eval': `eqjax eval --checkpoint` of the written directory on {m['calib_len']} tokens (its "
                     "time and peak RSS; no perplexity of random weights is shown)"
@@ -951,6 +960,7 @@ def page_scale() -> str:
                 "activations MiB", "written GiB", "eval s", "eval peak RSS GiB"]
         head += ["by block eval s", "by block peak RSS GiB"] if by_block else []
         head += ["export-onnx s", "export-onnx peak RSS GiB", "package GiB"] if export else []
+        head += ["export-gguf s", "export-gguf peak RSS GiB", "GGUF GiB"] if gguf else []
         body.append(table(head, rows, ["---", "---"] + ["--:"] * (len(head) - 2)))
         body.append("\n" + source([name], f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; "
                                          f"jax {m['jax']}; {m['when']}") + "\n")

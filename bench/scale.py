@@ -119,6 +119,13 @@ def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work:
                  else {"export_error": text.strip().splitlines()[-1]})
         if not args.keep and pkg.exists():
             shutil.rmtree(pkg)
+    if args.export_gguf:
+        gg = work / f"{d.name}-{recipe}.gguf"
+        rc_, secs, rss, text = _run(["export-gguf", "--checkpoint", str(out), "--out", str(gg), "--overwrite"])
+        r.update({"gguf_s": round(secs, 1), "gguf_peak_rss_gib": round(rss, 2), "gguf_bytes": gg.stat().st_size}
+                 if rc_ == 0 else {"gguf_error": text.strip().splitlines()[-1]})
+        if not args.keep and gg.exists():
+            gg.unlink()
     if not args.keep:
         shutil.rmtree(out)
     return r
@@ -140,9 +147,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "| model | recipe | parameters | quantize s | s / 1e9 params | vs smallest | peak RSS GiB | activations MiB "
         "| written GiB |" + (" eval s | eval peak RSS GiB |" if meta["eval"] else "")
         + (" eval --by-block s | eval --by-block peak RSS GiB |" if meta.get("eval_by_block") else "")
-        + (" export-onnx s | export-onnx peak RSS GiB | package GiB |" if meta.get("export") else ""),
+        + (" export-onnx s | export-onnx peak RSS GiB | package GiB |" if meta.get("export") else "")
+        + (" export-gguf s | export-gguf peak RSS GiB | GGUF GiB |" if meta.get("export_gguf") else ""),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if meta["eval"] else "")
-        + ("---:|---:|" if meta.get("eval_by_block") else "") + ("---:|---:|---:|" if meta.get("export") else ""),
+        + ("---:|---:|" if meta.get("eval_by_block") else "") + ("---:|---:|---:|" if meta.get("export") else "")
+        + ("---:|---:|---:|" if meta.get("export_gguf") else ""),
     ]
     for r in rows:
         if "error" in r:
@@ -156,7 +165,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
                       for k in ("", "by_block_")[:1 + bool(meta.get("eval_by_block"))] if meta["eval"])
             + (f" {r.get('export_s', '-')} | {r.get('export_peak_rss_gib', r.get('export_error', '-'))} | "
                f"{r['export_bytes'] / 2**30:.2f} |" if "export_bytes" in r else " - | - | - |" if meta.get("export")
-               else ""))
+               else "")
+            + (f" {r['gguf_s']} | {r['gguf_peak_rss_gib']} | {r['gguf_bytes'] / 2**30:.2f} |" if "gguf_bytes" in r
+               else f" - | {r.get('gguf_error', '-')} | - |" if meta.get("export_gguf") else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the quantized checkpoints in --work")
     ap.add_argument("--export", action="store_true", help="also time 'eqjax export-onnx --checkpoint' of each result "
                                                           "(with its onnxruntime self-check)")
+    ap.add_argument("--export-gguf", action="store_true", help="also time 'eqjax export-gguf --checkpoint' of each "
+                                                               "result (with its read-back check)")
     args = ap.parse_args(argv)
     import jax
 
@@ -184,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": cpu_model(), "cpus": os.cpu_count(), "jax": jax.__version__,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "calib_windows": args.calib_windows, "calib_len": args.calib_len, "eval": args.eval,
-            "eval_by_block": args.eval and args.by_block, "export": args.export,
+            "eval_by_block": args.eval and args.by_block, "export": args.export, "export_gguf": args.export_gguf,
             "note": "1B/3B/8B rows: random weights, time and memory only"}
     results = ROOT / "bench" / "results"
     rows: list[dict] = []

@@ -225,7 +225,8 @@ def gguf_main(args: Any) -> int:
     ck = getattr(args, "checkpoint", None)
     recipe = check_gguf_args(args)
     src_path = _gguf_source(args)
-    c, _ = source_metadata(src_path)  # the metadata made (and any refusal) before weights are read
+    meta = source_metadata(src_path)  # the metadata made (and any refusal) before weights are read
+    c = meta[0]
     widths = {"hidden": c.hidden, "intermediate": c.intermediate, "heads x head_dim": c.n_heads * c.head_dim}
     bad = {k: v for k, v in widths.items() if v % BLOCK}
     if ck:
@@ -250,7 +251,8 @@ def gguf_main(args: Any) -> int:
         src = load_source(src_path)
         qparams, what = _params(args, src, recipe), f"recipe {recipe.name}"
     try:
-        info = export_gguf(qparams, args.out, source=src_path, overwrite=getattr(args, "overwrite", False))
+        info = export_gguf(qparams, args.out, source=src_path, overwrite=getattr(args, "overwrite", False),
+                           metadata=meta)
     except GGUFError as e:
         if not ck:
             raise

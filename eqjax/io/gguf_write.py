@@ -181,10 +181,10 @@ def _reference(leaf: Any, linear: bool, heads: int | None) -> np.ndarray:
 
 
 def export_gguf(params: Any, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
-                overwrite: bool = False) -> dict[str, Any]:
+                overwrite: bool = False, metadata: tuple[Any, list] | None = None) -> dict[str, Any]:
     """Write ``params`` (eqjax's Llama tree, quantized or not, or a :class:`~eqjax.io.hf.StreamedParams` read a
     tensor at a time) as a GGUF file with the metadata of ``source`` (a GGUF file or an HF directory:
-    :func:`source_metadata`).
+    :func:`source_metadata`; ``metadata``: its result when the caller has it already).
 
     Every tensor is converted (and every unsupported leaf refused) before the file is opened; converted tensors
     wait in the ``gguf`` writer's temporary file, so one tensor at a time is in memory. Returns a summary: tensor
@@ -196,7 +196,7 @@ def export_gguf(params: Any, out: str | os.PathLike[str], *, source: str | os.Pa
 
     src = os.fspath(source)
     out = check_output_file(out, overwrite=overwrite, what="GGUF file")
-    cfg, entries = source_metadata(src)
+    cfg, entries = metadata if metadata is not None else source_metadata(src)
     paths, get = _leaf_getter(params, src)
     plan = {name: (where, linear, heads)
             for name, (where, _, linear, heads) in tensor_plan(cfg, tied="lm_head/kernel" not in paths).items()}

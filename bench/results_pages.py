@@ -554,10 +554,17 @@ def page_hf_formats() -> str:
                     "per-channel weights, dynamic per-token int8 activations). transformers' perplexity of the directory "
                     f"against eqjax's after `load_compressed_tensors`; target |diff| <= {peer_target} %.\n")
         body.append(table(["peer checkpoint", "format", "ppl transformers", "ppl eqjax", "diff", f"within {peer_target} %",
-                           "directory MB"],
+                           "eqjax's 1-3 ulp band", "directory MB"],
                           [[p["peer"], p["format"], f3(p["ppl_hf"]), f3(p["ppl_eqjax"]), pct(p["diff_eqjax_vs_hf_pct"], 3),
-                            "yes" if abs(p["diff_eqjax_vs_hf_pct"]) <= peer_target else "**no**", mb(p["dir_bytes"])]
-                           for p in d["peers"]], ["---", "---", "--:", "--:", "--:", "---", "--:"]))
+                            "yes" if abs(p["diff_eqjax_vs_hf_pct"]) <= peer_target else "**no**",
+                            "-" if p.get("ulp_band_pct") is None else f"+-{p['ulp_band_pct']:.3f} %", mb(p["dir_bytes"])]
+                           for p in d["peers"]], ["---", "---", "--:", "--:", "--:", "---", "--:", "--:"]))
+        if any(p.get("ulp_band_pct") is not None for p in d["peers"]):
+            body.append("'eqjax's 1-3 ulp band': the largest change of eqjax's perplexity of the same checkpoint when "
+                        "every float param is multiplied by 1 + k eps, k = 1, 2, 3 (`eqjax.evaluate.rounding_band`): "
+                        "with int8 activations a last-bit difference moves an activation to another code now and "
+                        "then, so this is the noise any other correct implementation of the same model shows against "
+                        "eqjax on these windows.\n")
         missed = [p["peer"] for p in d["peers"] if abs(p["diff_eqjax_vs_hf_pct"]) > peer_target]
         body.append("\n" + (f"**Target missed** (|diff| > {peer_target} %): {', '.join(missed)}." if missed else
                             f"Both peer checkpoints are within the {peer_target} % target.") + "\n")
@@ -576,9 +583,9 @@ def page_hf_formats() -> str:
                  for dt, f in r["files"].items() if f["hf_loader"] == TRANSFORMERS_LOADER and abs(f["diff_hf_pct"]) > target]
     if act_miss:
         body.append(f"**Missed with int8 activations ({', '.join(act_miss)}).** With the same grid on both sides, what "
-                    "remains is int8 activations' sensitivity to last-bit float differences: an activation that lands "
-                    "on another code propagates through the layers (`eqjax.evaluate.rounding_band` measures that noise "
-                    "on eqjax's side).\n")
+                    "remains is int8 activations' sensitivity to last-bit float differences (torch and XLA sum in "
+                    "other orders): an activation that lands on another code propagates through the layers; compare "
+                    "the diff with eqjax's own ulp band above.\n")
     machine = (f"{m['cpu']} ({m['cpus']} CPUs, shared with other work), {m['date']}; jax {v['jax']}, transformers "
                f"{v['transformers']}, compressed-tensors {v['compressed_tensors']}, torch {v['torch']}")
     body.append("\n" + source(["hf_formats.json"], machine) + "\n")
@@ -875,6 +882,12 @@ def page_memory() -> str:
 
 
 SCALE_TABLES = (
+    ("scale_gguf.json", "round to nearest with `eqjax export-gguf --checkpoint` of each written directory: the "
+                        "compressed-tensors directory is its own model, read, converted to GGUF blocks and written "
+                        "one tensor at a time (converted tensors wait in the `gguf` writer's temporary file), then "
+                        "the file is checked against the directory a tensor at a time, its rows dequantized in "
+                        "pieces read from the file. 'GGUF GiB': the file (Q4_1 blocks; the token table, unquantized "
+                        "by the recipe, in float32)."),
     ("scale_awq.json", "AWQ at 2 x 512 calibration tokens (fewer than the 4 x 512 of the other tables, to fit one run "
                        "in an hour on this CPU): with fewer tokens than a weight has inputs, its scale search prices "
                        "each candidate through a pivoted-Cholesky factor of the inputs' second moment (`r K N` "
@@ -904,7 +917,8 @@ SCALE_TABLES = (
 
 def page_scale() -> str:
     body = [f"# Quantization cost against model size\n\n{GENERATED}\n",
-            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-awq --calib-windows 2 --calib-len 512 "
+            "```bash\npython bench/scale.py --shapes 135m,1b,8b --recipes w4g128-rtn --export-gguf --out-name scale_gguf\n"
+            "python bench/scale.py --shapes 135m,1b,8b --recipes w4g128-awq --calib-windows 2 --calib-len 512 "
             "--out-name scale_awq\n"
             "python bench/scale.py --shapes 8b --recipes w4g128-rtn --eval --by-block --export --out-name "
             "scale_8b_rtn\n"

@@ -152,11 +152,22 @@ def source_metadata(source: str | os.PathLike[str]) -> tuple[Any, list[tuple[str
 
 
 def _leaf_getter(params: Any, src: str) -> tuple[set[str], Callable[[tuple[str, ...]], Any]]:
-    """``(every param path, path -> leaf)`` of a nested params dict or a :class:`~eqjax.io.hf.StreamedParams`
-    (read one leaf at a time, so a model larger than memory is written a tensor at a time)."""
-    if isinstance(params, StreamedParams):
-        return set(params.paths), lambda where: params.load(["/".join(where)])["/".join(where)]
-    return {p for p, _ in flatten(params)}, lambda where: _get(params, where, src)
+    """``(every param path, path -> leaf)`` of a nested params dict or a :class:`~eqjax.io.hf.StreamedParams`.
+    Streamed params are read a unit at a time (the table, the head, the final norm, one decoder block: one read
+    of the files for all its leaves) and only the last unit read is kept, so a model larger than memory is
+    written a unit at a time."""
+    if not isinstance(params, StreamedParams):
+        return {p for p, _ in flatten(params)}, lambda where: _get(params, where, src)
+    unit: dict[str, Any] = {}
+
+    def get(where: tuple[str, ...]) -> Any:
+        path = "/".join(where)
+        if path not in unit:
+            unit.clear()
+            unit.update(params.load([p for p in params.paths if p.split("/")[0] == where[0]]))
+        return unit[path]
+
+    return set(params.paths), get
 
 
 def _gguf_tensor(leaf: Any, linear: bool, heads: int | None, path: str) -> tuple[str, np.ndarray]:

@@ -262,6 +262,7 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated recipes (default: all four)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="file dtypes written (default bfloat16,float32)")
     ap.add_argument("--skip-peers", action="store_true", help="no peer-made checkpoints")
+    ap.add_argument("--peers-only", action="store_true", help="the peer-made checkpoints only (no eqjax recipe)")
     ap.add_argument("--work", default=None, help="directory for the checkpoints (default a temporary one, removed)")
     ap.add_argument("--out-name", default="hf_formats", help="bench/results/<name>.{json,md}")
     args = ap.parse_args()
@@ -309,7 +310,7 @@ def main() -> None:
         if not args.skip_peers:
             fp_row, peers = run_peers(setup, work)
             save()
-        for r in args.only.split(",") if args.only else RECIPES:
+        for r in [] if args.peers_only else args.only.split(",") if args.only else RECIPES:
             rows.append(run_recipe(r, setup, dtypes, work, tok_files, tok_ids))
             save()
     finally:

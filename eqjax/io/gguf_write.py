@@ -173,15 +173,13 @@ def _leaf_getter(params: Any, src: str) -> tuple[set[str], Callable[[tuple[str, 
 def _gguf_tensor(leaf: Any, linear: bool, heads: int | None, path: str) -> tuple[str, np.ndarray]:
     """The GGUF type name and data of one leaf (torch layout, Q/K rows in llama.cpp's order)."""
     if half_initializer(leaf):  # a float16 HalfFloat: exact, 2 bytes each
-        ref = _reference(leaf, linear, None)
-        return "F16", np.ascontiguousarray((ref if heads is None else permute_qk(ref, heads)).astype(np.float16))
+        return "F16", np.ascontiguousarray(_reference(leaf, linear, heads).astype(np.float16))
     if lowered_at_use(leaf):
         codes, scales, zps, bits = _torch_blocks(leaf, linear, path)
         if heads is not None:
             codes, scales, zps = (permute_qk(a, heads) for a in (codes, scales, zps))
         return gguf_blocks(codes, scales, zps, bits, path)
-    ref = _reference(leaf, linear, None)
-    return "F32", np.ascontiguousarray(ref if heads is None else permute_qk(ref, heads))
+    return "F32", np.ascontiguousarray(_reference(leaf, linear, heads))
 
 
 def _reference(leaf: Any, linear: bool, heads: int | None) -> np.ndarray:
@@ -194,11 +192,11 @@ def _reference(leaf: Any, linear: bool, heads: int | None) -> np.ndarray:
 def export_gguf(params: Any, out: str | os.PathLike[str], *, source: str | os.PathLike[str],
                 overwrite: bool = False, metadata: tuple[Any, list] | None = None) -> dict[str, Any]:
     """Write ``params`` (eqjax's Llama tree, quantized or not, or a :class:`~eqjax.io.hf.StreamedParams` read a
-    tensor at a time) as a GGUF file with the metadata of ``source`` (a GGUF file or an HF directory:
+    unit at a time) as a GGUF file with the metadata of ``source`` (a GGUF file or an HF directory:
     :func:`source_metadata`; ``metadata``: its result when the caller has it already).
 
     Every tensor is converted (and every unsupported leaf refused) before the file is opened; converted tensors
-    wait in the ``gguf`` writer's temporary file, so one tensor at a time is in memory. Returns a summary: tensor
+    wait in the ``gguf`` writer's temporary file, so one unit's leaves and one converted tensor are in memory. Returns a summary: tensor
     types and counts, bytes, and the read-back check (``max_abs_diff`` of the file's dequantized weights against
     eqjax's, per tensor type).
     """

@@ -889,8 +889,8 @@ def page_memory() -> str:
 
 SCALE_TABLES = (
     ("scale_gguf.json", "round to nearest with `eqjax export-gguf --checkpoint` of each written directory: the "
-                        "compressed-tensors directory is its own model, read, converted to GGUF blocks and written "
-                        "one tensor at a time (converted tensors wait in the `gguf` writer's temporary file), then "
+                        "compressed-tensors directory is its own model, read a decoder block at a time, converted to GGUF "
+                        "blocks and written one tensor at a time (converted tensors wait in the `gguf` writer's temporary file), then "
                         "the file is checked against the directory a tensor at a time, its rows dequantized in "
                         "pieces read from the file. 'GGUF GiB': the file (Q4_1 blocks; the token table, unquantized "
                         "by the recipe, in float32). The 1B shape is refused before any work: Llama-3.2-1B's config "

@@ -236,12 +236,12 @@ def gguf_main(args: Any) -> int:
     if bad and quantized:
         raise GGUFError(f"{src_path}: {', '.join(f'{k} {v}' for k, v in bad.items())} not a multiple of {BLOCK}: GGUF "
                         "blocks cannot hold its quantized weights")
-    own = bool(ck) and src_path == str(ck)  # a compressed-tensors / GPTQ directory as its own model: read a tensor at a time
+    own = bool(ck) and src_path == str(ck)  # a compressed-tensors / GPTQ directory as its own model: read a unit (table, head, block) at a time
     big = whole_model_exceeds_memory(src_path) if pathlib.Path(src_path).is_dir() and not own else None
     if big is not None:
         raise CompatibilityError(f"model too large for export-gguf (--model {src_path}): it loads the float32 weights "
                                  f"({big[0]:.1f} GiB) whole, {big[1]:.1f} GiB of memory is available (a compressed-"
-                                 "tensors or GPTQ --checkpoint without --model is exported a tensor at a time)")
+                                 "tensors or GPTQ --checkpoint without --model is exported a block at a time)")
     if own:
         qparams, what = stream_model(ck)[1], f"checkpoint {ck}, recipe {hf_quantized_kind(ck)}"
     elif ck:

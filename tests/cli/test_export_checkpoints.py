@@ -205,7 +205,7 @@ def test_export_gguf_from_an_hf_directory(fx, tmp_path, capsys):
 def test_export_gguf_refuses_a_model_larger_than_memory(fx, tmp_path, capsys, monkeypatch):
     """A float HF directory is loaded whole to be quantized: with the available memory faked one byte below its
     float32 weights, it is refused in one line before anything is loaded or written. A compressed-tensors
-    directory as its own model is read a tensor at a time instead: the same bytes as with every tensor in memory."""
+    directory as its own model is read a block at a time instead: the same bytes as with every tensor in memory."""
     import eqjax.cli.sources as sources
     from eqjax.io.compressed_tensors import load_compressed_tensors
     from eqjax.io.gguf_write import export_gguf

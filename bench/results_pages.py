@@ -985,9 +985,27 @@ def page_scale() -> str:
         head += ["export-onnx s", "export-onnx peak RSS GiB", "package GiB"] if export else []
         head += ["export-gguf s", "export-gguf peak RSS GiB", "GGUF GiB"] if gguf else []
         body.append(table(head, rows, ["---", "---"] + ["--:"] * (len(head) - 2)))
+        timed = [r for r in d["rows"] if "phases_s" in r]
+        if timed:
+            body.append("\nWhere each run's time went, as the run itself splits it (seconds, and per billion "
+                        "parameters in brackets): reading a unit's weights, the recipe's steps on it, the "
+                        "calibration forward through it, encoding and writing it; 'start': the rest of the process "
+                        "(imports, tokenizer, calibration windows)"
+                        + (". The page cache was dropped before each run: every row read its weights from disk"
+                           if m.get("cold") else "") + ".\n")
+            body.append(table(["model", "recipe", *PHASE_NAMES.values(), "start"],
+                              [[r["model"], f"`{r['recipe']}`",
+                                *(f"{c:.1f} ({c / (r['parameters'] / 1e9):.1f})" for c in
+                                  [*(r["phases_s"][k] for k in PHASE_NAMES),
+                                   r["quantize_s"] - sum(r["phases_s"].values())])] for r in timed],
+                              ["---", "---"] + ["--:"] * (len(PHASE_NAMES) + 1)))
         body.append("\n" + source([name], f"{m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB; "
                                          f"jax {m['jax']}; {m['when']}") + "\n")
     return "\n".join(body)
+
+
+PHASE_NAMES = {"read": "read", "quantize": "steps", "forward": "calibration forward", "write": "write"}
+"""Column names of ``eqjax quantize --stream``'s time split (its ``time:`` line)."""
 
 
 # ------------------------------------------------------------------------------------------------- qat

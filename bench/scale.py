@@ -10,14 +10,17 @@ figure) and the bytes it wrote; with ``--eval``, also ``eqjax eval --checkpoint`
 peak RSS; the perplexity of a random-weight model is not reported; a model whose float32 weights exceed the free
 memory is evaluated block at a time by itself), and block at a time with ``--by-block``; with ``--export``,
 ``eqjax export-onnx --checkpoint`` of the result (time, peak RSS, package size; its onnxruntime self-check
-included). The 'vs smallest' column divides each row's time per billion parameters by the smallest model's of the
+included). The run's own split of its time (seconds reading weights, quantizing, in the calibration forward,
+writing; the rest is the process's start: imports, tokenizer, calibration windows, compiling nothing yet) is kept
+per row. With ``--cold`` the page cache is dropped before each quantize run (root only), so every row reads its
+weights from disk rather than from a cache that holds a small model whole and a large one in part. The 'vs smallest' column divides each row's time per billion parameters by the smallest model's of the
 same recipe: 1.0 everywhere is linear growth.
 
 Writes ``bench/results/scale.{json,md}`` (``--out-name``). Checkpoints go to ``--work`` (default a temporary
 directory; an 8B checkpoint is 16 GB of bfloat16).
 
 Usage: python bench/scale.py [--shapes 135m,1b,3b,8b] [--recipes w4g128-rtn,w4g128-gptq,...]
-       [--calib-windows 4] [--calib-len 512] [--eval [--by-block]] [--export] [--work DIR] [--keep] [--out-name scale]
+       [--calib-windows 4] [--calib-len 512] [--eval [--by-block]] [--export] [--cold] [--work DIR] [--keep] [--out-name scale]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [x for x in sys.path if pathlib.Path(x or ".").resolve() != ROOT / "bench"]
 
 from eqjax.io.atomic import write_json, write_text  # noqa: E402
+from eqjax.recipes.stream import PHASES, parse_phase_line  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))
 import random_checkpoint as rc  # noqa: E402
@@ -75,6 +79,15 @@ def _run(argv: list[str]) -> tuple[int, float, float, str]:
     return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss / 2**20, out
 
 
+def drop_page_cache() -> None:
+    """Write back dirty pages and drop the kernel's page cache (Linux, root), or exit naming why not."""
+    os.sync()
+    try:
+        pathlib.Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError as e:
+        sys.exit(f"scale.py: --cold: cannot drop the page cache ({e.strerror}; it needs root on Linux)")
+
+
 def _params(d: pathlib.Path) -> int:
     """Parameters of the HF directory ``d`` (from its config; a tied table counted once)."""
     import math
@@ -92,6 +105,8 @@ def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work:
     """One ``eqjax quantize --stream`` run of ``recipe`` on the checkpoint ``d`` (and its eval); the output is
     deleted afterwards unless ``--keep``."""
     out = work / f"{d.name}-{recipe}"
+    if args.cold:
+        drop_page_cache()
     argv = ["quantize", "--model", str(d), "--recipe", recipe, "--format", "compressed-tensors", "--stream",
             "--calib-windows", str(args.calib_windows), "--calib-len", str(args.calib_len), "--out", str(out),
             "--overwrite"]
@@ -105,6 +120,9 @@ def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work:
          "calib_tokens": args.calib_windows * args.calib_len if "rtn" not in recipe else 0,
          "activations_mib": float(act.group(1)) if act else None,
          "bytes_written": sum(f.stat().st_size for f in out.iterdir() if f.is_file())}
+    phases = parse_phase_line(text)
+    if phases is not None:
+        r["phases_s"] = phases
     for mode in (("", []), ("by_block_", ["--by-block"]))[:1 + args.by_block] if args.eval else ():
         ev = ["eval", "--checkpoint", str(out), "--eval-len", str(args.calib_len), "--eval-tokens", str(args.calib_len),
               "--batch-size", "1", *mode[1]]
@@ -168,6 +186,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
                else "")
             + (f" {r['gguf_s']} | {r['gguf_peak_rss_gib']} | {r['gguf_bytes'] / 2**30:.2f} |" if "gguf_bytes" in r
                else f" - | {r.get('gguf_error', '-')} | - |" if meta.get("export_gguf") else ""))
+    timed = [r for r in rows if "phases_s" in r]
+    if timed:
+        lines += ["", "Where the time goes (seconds; per 1e9 parameters in brackets; 'start': the rest of the run):", "",
+                  "| model | recipe | " + " | ".join(PHASES) + " | start |", "|---|---|" + "---:|" * (len(PHASES) + 1)]
+        for r in timed:
+            n = r["parameters"] / 1e9
+            cells = [*(r["phases_s"][k] for k in PHASES), r["quantize_s"] - sum(r["phases_s"].values())]
+            lines.append(f"| {r['model']} | {r['recipe']} | " + " | ".join(f"{c:.1f} ({c / n:.1f})" for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -187,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(with its onnxruntime self-check)")
     ap.add_argument("--export-gguf", action="store_true", help="also time 'eqjax export-gguf --checkpoint' of each "
                                                                "result (with its read-back check)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each quantize run (root only): "
+                                                      "every row reads its weights from disk")
     args = ap.parse_args(argv)
+    if args.cold:
+        drop_page_cache()  # refused here, before any checkpoint is written, when it cannot be done
     import jax
 
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="eqjax-scale-")
@@ -198,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "calib_windows": args.calib_windows, "calib_len": args.calib_len, "eval": args.eval,
             "eval_by_block": args.eval and args.by_block, "export": args.export, "export_gguf": args.export_gguf,
-            "note": "1B/3B/8B rows: random weights, time and memory only"}
+            "cold": args.cold, "note": "1B/3B/8B rows: random weights, time and memory only"}
     results = ROOT / "bench" / "results"
     rows: list[dict] = []
     for shape in args.shapes.split(","):

@@ -9,6 +9,10 @@
 * llama.cpp's converter permutes the rows of Q and K (``permute`` in ``convert_hf_to_gguf.py``) so its
   RoPE kernel sees interleaved pairs; :func:`unpermute_qk` undoes that to get the Hugging Face layout
   (the half-split RoPE that eqjax and transformers use);
+* Llama 3.1 / 3.2 RoPE scaling (``llama3``) is stored as llama.cpp's converter stores it: a float32 tensor
+  ``rope_freqs.weight`` ``[head_dim / 2]`` that divides each base frequency (:func:`rope_freq_factors`), no
+  scaling keys; :func:`scaling_from_factors` recovers the scaling from it (and refuses factors that are not
+  of that form);
 * linear weights are transposed to eqjax's ``[in, out]`` kernels and stored in the Llama params tree::
 
     {"embed": {"embedding": [V, D]},
@@ -38,7 +42,7 @@ import numpy as np
 
 from eqjax.io.hf import CheckpointError
 from eqjax.io.tokenizer import Tokenizer, TokenizerError
-from eqjax.models.config import ConfigError, LlamaConfig
+from eqjax.models.config import ConfigError, LlamaConfig, RopeScaling
 
 __all__ = [
     "GGUFError",
@@ -50,6 +54,10 @@ __all__ = [
     "load_gguf",
     "load_tokenizer",
     "tensor_plan",
+    "ROPE_FREQS",
+    "rope_freq_factors",
+    "scaling_from_factors",
+    "file_config",
 ]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +74,11 @@ _LAYER_TENSORS = {
     "ffn_up": (("mlp", "up_proj", "kernel"), "FD", True),
     "ffn_down": (("mlp", "down_proj", "kernel"), "DF", True),
 }
+
+
+ROPE_FREQS = "rope_freqs.weight"
+"""llama.cpp's tensor of per-frequency RoPE divisors (Llama 3.1 / 3.2 scaling)."""
+_DEFAULT_OLD_CONTEXT = 8192  # Llama 3's pre-scaling context, when the file does not name one
 
 
 class GGUFError(CheckpointError):
@@ -232,6 +245,91 @@ def config_from_metadata(meta: dict[str, Any], *, source: str = "GGUF metadata",
         raise GGUFError(f"{source}: {e}") from None
 
 
+def rope_freq_factors(cfg: Any) -> np.ndarray | None:
+    """llama.cpp's ``rope_freqs.weight`` for a config: float32 ``[rotary_dim / 2]``, the number each base RoPE
+    frequency ``theta ** (-2 i / rotary_dim)`` is divided by (1 for the high frequencies, ``factor`` for the low
+    ones, a blend between), as llama.cpp's converter computes it for ``llama3`` scaling; None for any other."""
+    s = cfg.rope_scaling
+    if s is None or s.type != "llama3":
+        return None
+    d = int(cfg.rotary_dim)
+    freq = 1.0 / float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    old = float(s.original_max_position_embeddings)
+    wavelen = 2 * np.pi / freq
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blend = 1.0 / ((1.0 - smooth) / s.factor + smooth)
+    out = np.where(wavelen < old / s.high_freq_factor, 1.0, np.where(wavelen > old / s.low_freq_factor, s.factor, blend))
+    return out.astype(np.float32)
+
+
+def scaling_from_factors(cfg: Any, factors: np.ndarray, *, source: str,
+                         old_context: int = _DEFAULT_OLD_CONTEXT) -> Any:
+    """``cfg`` with the ``llama3`` RoPE scaling whose :func:`rope_freq_factors` are ``factors`` (to float32
+    rounding: 64 ulps), or :class:`GGUFError` naming ``source`` when no such scaling gives them.
+
+    The factors fix the scaling's ``factor`` (the largest) and, through the blend between the two plateaus,
+    the band edges ``old_context / high_freq_factor`` and ``old_context / low_freq_factor``; every
+    ``original_max_position_embeddings`` with the matching two factors gives the same model, so
+    ``old_context`` (the file's ``rope.scaling.original_context_length``, or Llama 3's 8192) picks one."""
+    f = np.asarray(factors, np.float64).reshape(-1)
+    d = int(cfg.rotary_dim)
+    where = f"{source}: tensor {ROPE_FREQS!r}"
+    if f.size != d // 2 or not np.all(np.isfinite(f)) or np.any(f <= 0):
+        raise GGUFError(f"{where}: expected {d // 2} finite positive factors (head_dim / 2), found {f.size} values "
+                        f"in [{f.min() if f.size else 0:g}, {f.max() if f.size else 0:g}]")
+    tol = 64 * float(np.finfo(np.float32).eps)
+    if np.all(np.abs(f - 1.0) <= tol):
+        return dataclasses.replace(cfg, rope_scaling=None)
+    top = float(f.max())
+    if np.all(np.abs(f - top) <= tol * top):
+        return dataclasses.replace(cfg, rope_scaling=RopeScaling(type="linear", factor=top))
+    freq = 1.0 / float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    mid = (np.abs(f - 1.0) > tol) & (np.abs(f - top) > tol * top)
+    kw: dict[str, Any] = {}
+    if mid.sum() >= 2 and top > 1:
+        smooth = (1.0 / f[mid] - 1.0 / top) / (1.0 - 1.0 / top)  # = old * freq / (2 pi (hi - lo)) - lo / (hi - lo)
+        a, b = np.polyfit(freq[mid], smooth, 1)
+        if a > 0:
+            width = old_context / (2 * np.pi * a)
+            lo = -b * width
+            kw = {"factor": top, "low_freq_factor": lo, "high_freq_factor": lo + width}
+    for digits, slack in ((4, 0.0), (None, tol)):  # the round numbers configs hold, when they give these factors
+        try:
+            guess = RopeScaling(type="llama3", original_max_position_embeddings=int(old_context),
+                                **{k: v if digits is None else round(float(v), digits) for k, v in kw.items()})
+            out = dataclasses.replace(cfg, rope_scaling=guess)
+        except (ConfigError, TypeError):
+            continue
+        if np.all(np.abs(rope_freq_factors(out).astype(np.float64) - f) <= slack * f):
+            return out
+    raise GGUFError(f"{where}: RoPE frequency factors that are not Llama 3's scaling (1 for high frequencies, a "
+                    f"factor for low ones, the blend between); not supported")
+
+
+def file_config(reader: Any, *, source: str, n_vocab: int | None = None) -> Any:
+    """The :class:`~eqjax.models.config.LlamaConfig` of an open GGUF file: :func:`config_from_metadata` and, when
+    the file has a ``rope_freqs.weight``, the RoPE scaling it stands for (:func:`scaling_from_factors`)."""
+    meta = _metadata(reader, tokenizer=False)
+    try:
+        cfg = config_from_metadata(meta, source=source, n_vocab=n_vocab)
+    except (TypeError, ValueError, ArithmeticError) as e:
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"{source}: malformed model metadata ({type(e).__name__}: {e})") from None
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return cfg
+    if t.tensor_type.name != "F32":
+        raise GGUFError(f"{source}: tensor {ROPE_FREQS!r} is {t.tensor_type.name}; llama.cpp writes it as F32")
+    if cfg.rope_scaling is not None:
+        raise GGUFError(f"{source}: both llama.rope.scaling.* keys and a {ROPE_FREQS!r} tensor; one RoPE scaling only")
+    old = meta.get("llama.rope.scaling.original_context_length", _DEFAULT_OLD_CONTEXT)
+    if isinstance(old, bool) or not isinstance(old, (int, np.integer)) or old < 1:
+        raise GGUFError(f"bad GGUF metadata ({source}: llama.rope.scaling.original_context_length): expected an "
+                        f"integer >= 1, found {old!r}")
+    return scaling_from_factors(cfg, np.asarray(t.data, np.float32), source=source, old_context=int(old))
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation on a torch-layout weight [n_head*hd, in] (or bias [n_head*hd]).
 
@@ -289,12 +387,8 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
     tensors = {t.name: t for t in reader.tensors}
     embed = tensors.get("token_embd.weight")
     n_vocab = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
-    try:
-        cfg = config_from_metadata(meta, source=src, n_vocab=n_vocab)
-    except (TypeError, ValueError, ArithmeticError) as e:
-        if isinstance(e, GGUFError):
-            raise
-        raise GGUFError(f"{src}: malformed model metadata ({type(e).__name__}: {e})") from None
+    cfg = file_config(reader, source=src, n_vocab=n_vocab)
+    tensors.pop(ROPE_FREQS, None)  # read into the config
     tied = "output.weight" not in tensors
     if not tied:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -302,8 +396,7 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
 
     unexpected = sorted(set(tensors) - set(plan))
     if unexpected:
-        why = " (llama3-style RoPE frequency factors are not supported)" if "rope_freqs.weight" in unexpected else ""
-        raise GGUFError(f"{src}: unexpected tensor(s) {unexpected[:5]} for a {cfg.n_layers}-layer llama model{why}")
+        raise GGUFError(f"{src}: unexpected tensor(s) {unexpected[:5]} for a {cfg.n_layers}-layer llama model")
     missing = [n for n in plan if n not in tensors]
     if missing:
         raise GGUFError(f"{src}: missing tensor(s) {missing[:5]}")

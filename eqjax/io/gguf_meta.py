@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eqjax.io.gguf import GGUFError
+from eqjax.io.tokenizer import LLAMA3_SPLIT
 from eqjax.models.config import LlamaConfig
 
 __all__ = ["hf_gguf_metadata", "PRE_TOKENIZERS"]
@@ -33,6 +34,9 @@ _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True
 PRE_TOKENIZERS: dict[str, Any] = {
     "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
     "gpt-2": _BYTE_LEVEL,
+    "llama-bpe": {"type": "Sequence", "pretokenizers": [  # Llama 3 / 3.1 / 3.2: its split regex, then bytes
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+        {**_BYTE_LEVEL, "use_regex": False}]},
 }
 """llama.cpp's pre-tokenizer name -> the ``pre_tokenizer`` of ``tokenizer.json`` it stands for (``trim_offsets``
 ignored: it moves offsets, not tokens)."""
@@ -97,9 +101,10 @@ def hf_gguf_metadata(directory: str | os.PathLike[str], config: LlamaConfig) -> 
     root = Path(directory)
     if getattr(config, "model_type", "llama") != "llama":
         raise GGUFError(f"{root / 'config.json'}: model_type {config.model_type!r}; export-gguf writes Llama models")
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.type != "linear":
-        raise GGUFError(f"{root / 'config.json'}: RoPE scaling {scaling.type!r}; export-gguf writes linear scaling only")
+    scaling = config.rope_scaling  # linear: two keys; llama3: the writer's rope_freqs.weight tensor
+    if scaling is not None and scaling.type not in ("linear", "llama3"):
+        raise GGUFError(f"{root / 'config.json'}: RoPE scaling {scaling.type!r}; export-gguf writes linear and llama3 "
+                        "scaling only")
     tj_path = root / "tokenizer.json"
     if not tj_path.is_file():
         raise GGUFError(f"{root}: no tokenizer.json (export-gguf copies the tokenizer into the file)")
@@ -127,7 +132,7 @@ def hf_gguf_metadata(directory: str | os.PathLike[str], config: LlamaConfig) -> 
     if config.head_dim * config.n_heads != config.hidden:
         out += [("llama.attention.key_length", int(config.head_dim), u32, None),
                 ("llama.attention.value_length", int(config.head_dim), u32, None)]
-    if scaling is not None:
+    if scaling is not None and scaling.type == "linear":
         out += [("llama.rope.scaling.type", "linear", _T.STRING, None),
                 ("llama.rope.scaling.factor", float(scaling.factor), f32, None)]
     out += [

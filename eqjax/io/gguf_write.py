@@ -43,9 +43,10 @@ from eqjax.core.qarray import ActQuantKernel, QArray, is_quantized
 from eqjax.export.graph import ExportError
 from eqjax.export.qlower import blocked, half_initializer, lowered_at_use
 from eqjax.io.atomic import atomic_path, check_output_file
-from eqjax.io.gguf import GGUFError, _metadata, _open, config_from_metadata, load_tokenizer, tensor_plan
+from eqjax.io.gguf import ROPE_FREQS, GGUFError, _open, file_config, load_tokenizer, rope_freq_factors, tensor_plan
 from eqjax.io.gguf_meta import hf_gguf_metadata
 from eqjax.io.hf import CheckpointError, StreamedParams, read_config
+from eqjax.models.llama import rope_inv_freq
 
 __all__ = ["export_gguf", "source_metadata", "gguf_blocks", "permute_qk", "BLOCK"]
 
@@ -141,7 +142,7 @@ def source_metadata(source: str | os.PathLike[str]) -> tuple[Any, list[tuple[str
             raise GGUFError(str(e)) from None
         return cfg, hf_gguf_metadata(src, cfg)
     reader = _open(src)
-    cfg = config_from_metadata(_metadata(reader), source=src)
+    cfg = file_config(reader, source=src)
     entries = []
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
@@ -218,6 +219,10 @@ def export_gguf(params: Any, out: str | os.PathLike[str], *, source: str | os.Pa
         w = gguf.GGUFWriter(tmp, "llama", use_temp_file=True)
         for key, value, kind, sub in entries:
             w.add_key_value(key, value, kind, sub_type=sub)
+        factors = rope_freq_factors(cfg)
+        if factors is not None:  # first, as llama.cpp's converter writes it
+            w.add_tensor(ROPE_FREQS, factors)
+            kinds[ROPE_FREQS], sizes["F32"] = "F32", sizes.get("F32", 0) + factors.nbytes
         for name, (where, linear, heads) in plan.items():
             kind, data = _gguf_tensor(get(where), linear, heads, "/".join(where))
             w.add_tensor(name, data, raw_dtype=None if kind == "F32" else getattr(gguf.GGMLQuantizationType, kind))
@@ -247,12 +252,15 @@ def _check(out: Path, cfg: Any, get: Callable[[tuple[str, ...]], Any], plan: dic
     from gguf.quants import dequantize
 
     reader = _open(out)
-    back = config_from_metadata(_metadata(reader), source=str(out))
+    back = file_config(reader, source=str(out))
     if (back.hidden, back.n_layers, back.vocab) != (cfg.hidden, cfg.n_layers, cfg.vocab):
         raise GGUFError(f"{out}: read back as another model ({back.hidden} wide, {back.n_layers} layers, "
                         f"{back.vocab} tokens)")
+    want, got = rope_inv_freq(cfg).astype(np.float64), rope_inv_freq(back).astype(np.float64)
+    if np.any(np.abs(got - want) > 64 * np.finfo(np.float32).eps * want):  # float32 factors, recomputed
+        raise GGUFError(f"{out}: read back with other RoPE frequencies ({back.rope_scaling} for {cfg.rope_scaling})")
     load_tokenizer(out)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors if t.name != ROPE_FREQS}
     if set(tensors) != set(plan):
         raise GGUFError(f"{out}: read back with tensors {sorted(set(tensors) ^ set(plan))[:3]} differing from the plan")
     worst: dict[str, float] = {}

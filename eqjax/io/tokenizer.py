@@ -37,19 +37,20 @@ import numpy as np
 
 from eqjax.core.errors import InputError
 
-__all__ = ["Tokenizer", "TokenizerError", "bytes_to_unicode"]
+__all__ = ["Tokenizer", "TokenizerError", "bytes_to_unicode", "LLAMA3_SPLIT"]
 
 _CONTROL, _USER_DEFINED = 3, 4
 
-_LLAMA3_SPLIT = (
+LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+"""Llama 3's pre-tokenization regex (llama.cpp's ``llama-bpe``): contractions, letters, digits in threes."""
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+_SPLITS = {"llama3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 _GPT2_PRES = ("default", "gpt2", "gpt-2", "starcoder", "refact")
 
 

@@ -23,6 +23,7 @@ KV-cache quantization) and calibrated steps that do not declare how their block 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,7 +40,8 @@ from eqjax.recipes.checks import check_quantized_something, check_rule_patterns
 from eqjax.recipes.registry import resolve_recipe
 from eqjax.recipes.types import Context, Recipe, window_batches
 
-__all__ = ["Unit", "model_units", "check_streamable", "stream_cost", "stream_quantize"]
+__all__ = ["Unit", "model_units", "check_streamable", "stream_cost", "stream_quantize", "PHASES", "phase_line",
+           "parse_phase_line"]
 
 Loader = Callable[[Sequence[str]], Mapping[str, Any]]
 """``load(paths) -> {path: float array}`` for one unit's param paths."""
@@ -114,7 +116,9 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
       recipe: a :class:`Recipe` or a built-in name; calibration: token windows ``[n, T]`` (or None).
       emit: receives each unit's final leaves; nothing of a unit is kept after it returns.
       batch_size: windows per calibration batch (as :func:`eqjax.recipes.apply.quantize`).
-      progress: called with one line per finished unit, once nothing of that unit is referenced any more.
+      progress: called with one line per finished unit, once nothing of that unit is referenced any more,
+        and last with where the time went (:func:`phase_line`: seconds reading, quantizing, running the
+        calibration forward and writing, summed over the units).
       ledger: a :class:`~eqjax.io.stream_ledger.StreamLedger` (or None): the units it has on record are
         skipped, their activations and report restored, and each unit is committed to it after ``emit``.
     """
@@ -137,20 +141,31 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
     if done:
         streams, report, changed = ledger.restored()
         say(f"resuming after {len(done)} of {len(units)} units")
+    phases = dict.fromkeys(PHASES, 0.0)
+
+    def timed(phase: str, t: float, value: Any = None) -> float:
+        """Add the seconds since ``t`` to ``phase`` once ``value`` is computed; returns the time now."""
+        jax.block_until_ready(value)
+        now = time.perf_counter()
+        phases[phase] += now - t
+        return now
+
     hidden_example = jnp.zeros((1, tokens_example.shape[1], int(model.config.hidden)), jnp.float32)
     embed = jax.jit(lambda p, t: model.embed(p, t))
     for unit in units:
         if unit.name in done:
             continue
-        t0 = time.perf_counter()
+        t0 = t = time.perf_counter()
         cur = dict(load(unit.paths))
         check_params(nest_paths(cur), f"params of {unit.name}", nonfinite=NonFiniteParamsError)
+        t = timed("read", t, cur)
         fn = jax.jit(unit.fn)
         ctx = None
         for i, step in enumerate(steps):
             calibrated = i in cal_steps
             if unit.name == "outer" and calibrated:  # its input stream starts at the embeddings, so far
                 streams[i] = [embed(nest_paths(cur), b) for b in batches]
+                t = timed("forward", t, streams[i])
             if calibrated and not unit.calibrated:
                 continue
             example = tokens_example if unit.name == "outer" else hidden_example
@@ -158,10 +173,12 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
                           seed=seed, partial=True)
             new = dict(step(cur, ctx))
             report += ctx.report
+            t = timed("quantize", t, new)
             if calibrated and unit is not units[-1]:  # nothing reads the last unit's outputs (the logits)
                 after = new if step.advance == "new" else cur
                 streams[i] = [fn(nest_paths(after), x) for x in streams[i]]
                 del after
+                t = timed("forward", t, streams[i])
             changed |= any(is_quantized(v) and not is_quantized(cur.get(p)) for p, v in new.items())
             cur = new
             del new
@@ -169,11 +186,30 @@ def stream_quantize(model: Any, paths: Sequence[str], load: Loader, recipe: Reci
             check_params(nest_paths(cur), f"output of recipe {recipe.name!r} ({unit.name})", allow_int=True)
         except NonFiniteError as e:
             raise NonFiniteResult(str(e)) from None
+        t = timed("quantize", t)
         emit(unit.name, cur)
         if ledger is not None:
             ledger.commit(unit.name, streams, report, changed)
+        timed("write", t)
         del cur, ctx  # the context holds the unit's params too: nothing of the unit outlives it
         say(f"{unit.name}: {time.perf_counter() - t0:.1f}s")
     if not changed:
         check_quantized_something(recipe, {}, {})
+    say(phase_line(phases))
     return report
+
+
+PHASES = ("read", "quantize", "forward", "write")
+"""The phases :func:`stream_quantize` times: reading a unit's float weights (and checking them), the recipe's
+steps on it, the calibration forward through it, and handing its leaves to ``emit`` (encoding and writing)."""
+
+
+def phase_line(phases: Mapping[str, float]) -> str:
+    """``"time: read 1.0 s, quantize 2.0 s, forward 3.0 s, write 4.0 s"`` for seconds by phase."""
+    return "time: " + ", ".join(f"{k} {phases.get(k, 0.0):.1f} s" for k in PHASES)
+
+
+def parse_phase_line(text: str) -> dict[str, float] | None:
+    """The seconds by phase of the last :func:`phase_line` in ``text`` (None when there is none)."""
+    found = re.findall(r"time: read ([\d.]+) s, quantize ([\d.]+) s, forward ([\d.]+) s, write ([\d.]+) s", text)
+    return None if not found else dict(zip(PHASES, map(float, found[-1])))

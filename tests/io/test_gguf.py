@@ -187,8 +187,8 @@ def test_missing_and_unexpected_tensor(tmp_path: Path) -> None:
     del w["blk.0.attn_v.weight"]
     with pytest.raises(GGUFError, match=r"missing tensor.*blk\.0\.attn_v\.weight"):
         load_gguf(write_tiny(tmp_path / "missing.gguf", weights=w))
-    w = hf_weights() | {"rope_freqs.weight": np.ones(HD // 2, np.float32)}
-    with pytest.raises(GGUFError, match=r"rope_freqs"):
+    w = hf_weights() | {"blk.0.attn_bogus.weight": np.ones(HD // 2, np.float32)}
+    with pytest.raises(GGUFError, match=r"unexpected tensor.*blk\.0\.attn_bogus\.weight"):
         load_gguf(write_tiny(tmp_path / "extra.gguf", weights=w))
 
 

@@ -11,6 +11,7 @@ float leaves alike: the bound is for compilers that fuse the unit programs diffe
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import jax
@@ -24,7 +25,7 @@ from eqjax.core.qarray import ActQuantKernel, is_quantized
 from eqjax.models import LlamaConfig, Model
 from eqjax.recipes.apply import quantize
 from eqjax.recipes.registry import get_recipe
-from eqjax.recipes.stream import model_units, stream_cost, stream_quantize
+from eqjax.recipes.stream import PHASES, model_units, parse_phase_line, phase_line, stream_cost, stream_quantize
 
 
 def _model(tied: bool):
@@ -166,3 +167,34 @@ def test_bad_checkpoint_is_refused_before_any_unit(tmp_path):
     (tmp_path / "fp" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):
         stream_hf_checkpoint(tmp_path / "fp")
+
+
+def test_phase_times_land_in_their_phase():
+    """A slow reader and a slow writer show up as read and write seconds (each unit's sleep counted once), the
+    calibration forward and the steps get the rest, and the sum stays within the run's wall time."""
+    model, params, cal = _model(False)
+    paths, leaves, _ = flatten_with_paths(params)
+    flat = dict(zip(paths, leaves))
+    nap = 0.05
+    lines: list[str] = []
+
+    def load(ps):
+        time.sleep(nap)
+        return {p: flat[p] for p in ps}
+
+    t0 = time.perf_counter()
+    stream_quantize(model, paths, load, "w4g128-gptq", cal, lambda name, ls: time.sleep(nap), progress=lines.append)
+    wall = time.perf_counter() - t0
+    n_units = len(model_units(model, paths))
+    phases = parse_phase_line("\n".join(lines))
+    assert phases is not None and lines[-1].startswith("time: ")
+    assert n_units * nap <= phases["read"] < wall and n_units * nap <= phases["write"] < wall
+    assert phases["quantize"] > 0 and phases["forward"] > 0
+    assert sum(phases.values()) <= wall + 0.1 * len(PHASES)  # each phase rounded to 0.1 s in the line
+
+
+def test_phase_line_round_trip():
+    phases = {"read": 1.25, "quantize": 300.0, "forward": 0.0, "write": 12.5}
+    assert parse_phase_line("block 0: 1.0s\n" + phase_line(phases)) == {"read": 1.2, "quantize": 300.0,
+                                                                        "forward": 0.0, "write": 12.5}
+    assert parse_phase_line("no such line") is None

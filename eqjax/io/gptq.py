@@ -1,9 +1,14 @@
 """GPTQ-format checkpoints (AutoGPTQ / GPTQModel layout, also written by AutoRound's ``auto_gptq`` export).
 
 A directory holds config.json with ``quantization_config: {quant_method: gptq, bits, group_size, sym,
-desc_act, checkpoint_format}`` and, per quantized linear ``P`` (HF weight ``[out, in]``):
+desc_act, checkpoint_format}`` (or AutoRound's own format, ``quant_method: auto-round``, whose integer
+``packing_format``\ s are this layout: ``auto_round:auto_gptq`` as v1, ``auto_round``, ``auto_round:gptqmodel``
+and ``auto_round:exllamav2`` as v2; its ``extra_config`` gives a linear, by name or pattern, other bits, group
+or symmetry, as GPTQModel's ``dynamic`` does in GPTQ's own config) and, per quantized linear ``P`` (HF weight
+``[out, in]``):
 
-* ``P.qweight`` int32 ``[in * bits / 32, out]``: codes packed along ``in``, ``32 / bits`` a word, first lowest;
+* ``P.qweight`` int32 ``[in * bits / 32, out]``: codes packed along ``in``, ``32 / bits`` a word, first lowest
+  (AutoRound's model-free export pads ``in`` to whole groups: the padding's codes are dropped on reading);
 * ``P.qzeros`` int32 ``[groups, out * bits / 32]``: zero points packed along ``out``; checkpoint format
   ``gptq`` (v1) stores ``zero - 1``, ``gptq_v2`` the zero itself;
 * ``P.scales`` float16 ``[groups, out]``; ``P.g_idx`` int32 ``[in]``: each input's group.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -183,13 +189,70 @@ def save_gptq_streamed(directory: str | os.PathLike[str], model: Model,
 # --------------------------------------------------------------------------------------------- reading
 
 
+AUTOROUND_METHODS = ("auto-round", "intel/auto-round")
+"""``quant_method`` of AutoRound's own format."""
+_AUTOROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2", "auto_round:gptqmodel": "gptq_v2",
+                       "auto_round:exllamav2": "gptq_v2"}
+"""AutoRound's integer packings in this layout -> the GPTQ checkpoint format (zero point stored minus 1, or as is)."""
+
+
 def is_gptq(directory: str | os.PathLike[str]) -> bool:
-    """Whether ``directory``'s config.json declares a GPTQ quantization."""
+    """Whether ``directory``'s config.json declares a GPTQ quantization (or AutoRound's own format)."""
     try:
         qc = json.loads((Path(directory) / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return False
-    return isinstance(qc, dict) and qc.get("quant_method") == GPTQ_FORMAT
+    return isinstance(qc, dict) and qc.get("quant_method") in (GPTQ_FORMAT, *AUTOROUND_METHODS)
+
+
+def _gptq_config(qc: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The GPTQ ``quantization_config`` that ``qc`` stands for: itself, or AutoRound's own format's as GPTQ's
+    (its packing as ``checkpoint_format``); what the layout here cannot hold is refused, naming ``where``."""
+    if qc.get("quant_method") not in AUTOROUND_METHODS:
+        return dict(qc)
+    packing = qc.get("packing_format", qc.get("backend", "auto_round:auto_gptq"))
+    if packing not in _AUTOROUND_PACKINGS:
+        raise FormatError(f"{where}: AutoRound packing_format {packing!r}; eqjax reads its GPTQ-layout packings "
+                          f"({', '.join(_AUTOROUND_PACKINGS)})")
+    if str(qc.get("data_type", "int")) != "int" or int(qc.get("act_bits", 16) or 16) < 16:
+        raise FormatError(f"{where}: AutoRound data_type {qc.get('data_type')!r}, act_bits {qc.get('act_bits')!r}; "
+                          "eqjax reads integer weight-only AutoRound checkpoints")
+    transforms = sorted(k for k in qc if "rotation" in k or "spinquant" in k or "hadamard" in k)
+    if transforms:
+        raise FormatError(f"{where}: AutoRound {transforms[0]!r}; eqjax does not read rotated AutoRound checkpoints")
+    return {**qc, "checkpoint_format": _AUTOROUND_PACKINGS[packing]}
+
+
+def _layer_config(qc: Mapping[str, Any], stem: str, where: str) -> dict[str, Any]:
+    """``qc`` with the overrides a checkpoint gives the linear ``stem``: AutoRound's ``extra_config`` entry (its
+    name, or a pattern that matches it whole) or GPTQModel's ``dynamic`` one (``"+:pattern"`` or a bare pattern,
+    matched from the start of the name, as GPTQModel does; ``"-:pattern"`` keeps a linear float, which then has
+    no ``qweight`` and is not read here)."""
+    extra = qc.get("extra_config") or {}
+    own = extra.get(stem)
+    if own is None:
+        own = next((v for k, v in extra.items() if _matches(k, stem, whole=True)), None)
+    if own is None:
+        for key, value in (qc.get("dynamic") or {}).items():
+            sign, pattern = (key[0], key[2:]) if key[:2] in ("+:", "-:") else ("+", key)
+            if _matches(pattern, stem, whole=False):
+                own = value if sign == "+" else None
+                break
+    if not own:
+        return dict(qc)
+    out = {**qc, **{k: v for k, v in own.items() if k in ("bits", "group_size", "sym", "data_type", "act_bits")}}
+    if out.get("bits") not in BITS or str(out.get("data_type", "int")) != "int" or not isinstance(out.get("group_size"), int):
+        raise FormatError(f"{where}: {'extra_config' if extra else 'dynamic'} gives {stem} bits {out.get('bits')!r}, "
+                          f"group_size {out.get('group_size')!r}, data_type {out.get('data_type')!r}; eqjax reads 4- "
+                          "and 8-bit integer weights in this layout")
+    return out
+
+
+def _matches(pattern: str, name: str, *, whole: bool) -> bool:
+    try:
+        return (re.fullmatch if whole else re.match)(pattern, name) is not None
+    except re.error:
+        return False
 
 
 def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray], origin: Mapping[str, Path],
@@ -213,7 +276,10 @@ def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray
         return a
 
     per = 32 // bits
-    qweight = need("qweight", np.int32, (-(-n_in // per), n_out))
+    stored_in = n_in
+    if tensors.get(f"{stem}.qweight", np.zeros((0,))).shape[:1] == (-(-groups * size // per),):
+        stored_in = groups * size  # AutoRound's model-free export pads the inputs to whole groups
+    qweight = need("qweight", np.int32, (-(-stored_in // per), n_out))
     qzeros = need("qzeros", np.int32, (groups, -(-n_out // per)))
     stored_scale = tensors.get(f"{stem}.scales", np.zeros(0))
     if tuple(stored_scale.shape) != (groups, n_out):
@@ -223,7 +289,7 @@ def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray
                           "contiguous groups only")
     if not decode:
         return [None] * len(t.paths), names & set(tensors)
-    u = unpack_int32(np.ascontiguousarray(qweight.T), bits, n_in).T  # [in, out]
+    u = unpack_int32(np.ascontiguousarray(qweight.T), bits, stored_in).T[:n_in]  # [in, out]: padding dropped
     zs = unpack_int32(qzeros, bits, n_out)
     scale = np.asarray(stored_scale).astype(np.float32)
     zp = zs.astype(np.int32) + (1 if qc.get("checkpoint_format", "gptq") == "gptq" else 0)
@@ -265,8 +331,8 @@ def _open(directory: str | os.PathLike[str], lazy: bool) -> tuple[Any, Any, dict
     """``(config, tensors, origin, root, take)`` of a GPTQ directory, its quantization_config checked."""
     root = Path(directory)
     config, raw, tensors, origin = read_checkpoint(root, lazy=lazy)
-    qc = raw.get("quantization_config") or {}
     where = f"{root / 'config.json'}: quantization_config"
+    qc = _gptq_config(raw.get("quantization_config") or {}, where)
     if qc.get("bits") not in BITS:
         raise FormatError(f"{where}: bits {qc.get('bits')!r}; eqjax reads 4- and 8-bit GPTQ checkpoints")
     if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
@@ -278,7 +344,7 @@ def _open(directory: str | os.PathLike[str], lazy: bool) -> tuple[Any, Any, dict
         stem = t.name[: -len(".weight")]
         if not t.name.endswith(".weight") or f"{stem}.qweight" not in tensors:
             return None
-        return _decode(t, qc, tensors, origin, decode)
+        return _decode(t, _layer_config(qc, stem, where), tensors, origin, decode)
 
     return config, tensors, origin, root, take
 

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("auto_round")
 
 from eqjax.core.numerics import dequantize_leaf  # noqa: E402
+from eqjax.core.pytree import flatten_with_paths  # noqa: E402
 from eqjax.core.qarray import QArray  # noqa: E402
 from eqjax.io.gptq import FormatError, check_recipe, load_gptq, save_gptq, stream_gptq  # noqa: E402
 from eqjax.io.hf import load_hf_checkpoint  # noqa: E402
@@ -49,15 +50,30 @@ def fp_dir(tmp_path_factory) -> pathlib.Path:
     return d
 
 
-def _autoround(fp_dir: pathlib.Path, out: pathlib.Path, *, sym: bool, group: int) -> pathlib.Path:
-    """AutoRound's round to nearest (no tuning), exported in its ``auto_gptq`` format."""
+def _autoround(fp_dir: pathlib.Path, out: pathlib.Path, *, sym: bool, group: int, fmt: str = "auto_gptq",
+               layer_config: dict | None = None) -> pathlib.Path:
+    """AutoRound's round to nearest (no tuning), exported in its ``fmt`` format (``auto_gptq`` or its own
+    ``auto_round``)."""
     from auto_round import AutoRound
 
     ar = AutoRound(str(fp_dir), bits=4, group_size=group, sym=sym, iters=0, disable_opt_rtn=True, nsamples=1,
-                   seqlen=16)
-    ar.quantize_and_save(output_dir=str(out), format="auto_gptq")
+                   seqlen=16, layer_config=layer_config)
+    ar.quantize_and_save(output_dir=str(out), format=fmt)
     (d,) = {p.parent for p in out.rglob("config.json")}
     return d
+
+
+def _assert_round_to_nearest(qa: QArray, w: np.ndarray, group: int, where: object) -> None:
+    """``qa`` decodes every weight of ``w`` ``[in, out]`` to the nearest of the values its group's grid holds,
+    clamped to the grid's ends: a wrong zero offset, packing order or transposition decodes other grid points.
+    Near a midpoint either neighbour is right: the peer rounds the weights in bfloat16 (relative error
+    EPS_BF16) against float16 scales."""
+    got = np.asarray(dequantize_leaf(qa, jnp.float32), np.float64)
+    step = np.repeat(np.asarray(qa.scale, np.float64), group, axis=0)[: w.shape[0]]
+    zp = np.repeat(np.asarray(qa.effective_zero_point, np.float64), group, axis=0)[: w.shape[0]]
+    grid = (np.arange(2**qa.bits)[:, None, None] - zp) * step  # the values each weight's group can hold
+    nearest = np.abs(grid - w).min(axis=0)
+    assert np.all(np.abs(got - w) <= nearest + 2 * EPS_BF16 * np.abs(w) + 16 * EPS16 * step), where
 
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
@@ -70,18 +86,60 @@ def test_an_autoround_gptq_checkpoint_reads_as_its_rounding(fp_dir, tmp_path, sy
     for path in (("layers_0", "attn", "q_proj"), ("layers_0", "attn", "o_proj"), ("layers_1", "mlp", "down_proj"),
                  ("layers_1", "mlp", "gate_proj")):
         qa = q[path[0]][path[1]][path[2]]["kernel"]
-        w = np.asarray(fp[path[0]][path[1]][path[2]]["kernel"], np.float64)
-        got = np.asarray(dequantize_leaf(qa, jnp.float32), np.float64)
-        step = np.repeat(np.asarray(qa.scale, np.float64), 64, axis=0)[: w.shape[0]]
-        zp = np.repeat(np.asarray(qa.effective_zero_point, np.float64), 64, axis=0)[: w.shape[0]]
-        grid = (np.arange(16)[:, None, None] - zp) * step  # the 16 values each weight's group can hold
-        nearest = np.abs(grid - w).min(axis=0)
-        # round to nearest on the stored grid, clamped to its ends: a wrong zero offset, packing order or
-        # transposition decodes other grid points. Near a midpoint either neighbour is right: the peer rounds
-        # the weights in bfloat16 (relative error EPS_BF16) against float16 scales
-        assert np.all(np.abs(got - w) <= nearest + 2 * EPS_BF16 * np.abs(w) + 16 * EPS16 * step), path
+        _assert_round_to_nearest(qa, np.asarray(fp[path[0]][path[1]][path[2]]["kernel"], np.float64), 64, path)
     cfg = json.loads((d / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "gptq" and cfg["sym"] == sym
+
+
+def _qarrays(tree) -> dict[str, QArray]:
+    paths, leaves, _ = flatten_with_paths(tree)
+    return {p: x for p, x in zip(paths, leaves) if isinstance(x, QArray)}
+
+
+@pytest.mark.parametrize("sym, packing", [(True, "auto_round:auto_gptq"), (False, "auto_round")], ids=["sym", "asym"])
+def test_autoround_own_format_reads_as_its_gptq_export(fp_dir, tmp_path, sym: bool, packing: str) -> None:
+    """AutoRound's own ``auto_round`` format (symmetric: packed as GPTQ v1, zero points minus 1; asymmetric: zero
+    points as they are; inputs padded to whole groups by its model-free export) reads as round to nearest on its
+    stored grid, a layer given 8 bits by ``extra_config`` included, and as the QArrays of its ``auto_gptq``
+    export of the same recipe (a GPTQModel ``dynamic`` override there): the same kinds and shapes, weights
+    within half of each one's step of each other (the two exports round some weights the other way, and the
+    padded last group of a ragged weight has its own range)."""
+    layers = {"model.layers.1.mlp.down_proj": {"bits": 8}}
+    own = _autoround(fp_dir, tmp_path / "own", sym=sym, group=64, fmt="auto_round", layer_config=layers)
+    ref = _autoround(fp_dir, tmp_path / "ref", sym=sym, group=64, layer_config=layers)
+    qc = json.loads((own / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "auto-round" and qc["packing_format"] == packing
+    assert qc["extra_config"]["model.layers.1.mlp.down_proj"]["bits"] == 8
+    a, b = _qarrays(load_model(own)[1]), _qarrays(load_model(ref)[1])
+    fp = dict(zip(*flatten_with_paths(load_hf_checkpoint(fp_dir)[1])[:2]))
+    assert a.keys() == b.keys() and len(a) == 14
+    assert a["layers_1/mlp/down_proj/kernel"].bits == 8 and b["layers_1/mlp/down_proj/kernel"].bits == 8
+    assert a["layers_0/mlp/down_proj/kernel"].bits == 4
+    for p, x in a.items():
+        y = b[p]
+        assert (x.bits, x.granularity, x.shape) == (y.bits, y.granularity, y.shape), p
+        w = np.asarray(fp[p], np.float64)
+        _assert_round_to_nearest(x, w, 64, p)
+        sx, sy = (np.repeat(np.asarray(z.scale, np.float64), 64, axis=0)[: w.shape[0]] for z in (x, y))
+        gap = np.abs(np.asarray(dequantize_leaf(x), np.float64) - np.asarray(dequantize_leaf(y), np.float64))
+        # each within half its own step of w (no clamping: both grids span the group's weights)
+        assert np.all(gap <= (sx + sy) / 2 * (1 + 16 * EPS16) + 4 * EPS_BF16 * np.abs(w)), p
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"packing_format": "auto_round:auto_awq"}, r"packing_format 'auto_round:auto_awq'"),
+    ({"data_type": "fp"}, r"data_type 'fp'"),
+    ({"act_bits": 8}, r"act_bits 8"),
+    ({"extra_config": {"model.layers.0.mlp.up_proj": {"bits": 2}}}, r"extra_config gives model\.layers\.0\.mlp\.up_proj bits 2"),
+])
+def test_autoround_own_format_beyond_the_layout_is_refused(fp_dir, tmp_path, edit: dict, match: str) -> None:
+    d = _autoround(fp_dir, tmp_path / "own", sym=False, group=64, fmt="auto_round")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"].update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    for read in (load_gptq, stream_gptq):
+        with pytest.raises(FormatError, match=rf"config\.json: quantization_config: .*{match}"):
+            read(d)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ peak RSS; the perplexity of a random-weight model is not reported; a model whose
 memory is evaluated block at a time by itself), and block at a time with ``--by-block``; with ``--export``,
 ``eqjax export-onnx --checkpoint`` of the result (time, peak RSS, package size; its onnxruntime self-check
 included). The run's own split of its time (seconds reading weights, quantizing, in the calibration forward,
-writing; the rest is the process's start: imports, tokenizer, calibration windows, compiling nothing yet) is kept
-per row. With ``--cold`` the page cache is dropped before each quantize run (root only), so every row reads its
-weights from disk rather than from a cache that holds a small model whole and a large one in part. The 'vs smallest' column divides each row's time per billion parameters by the smallest model's of the
-same recipe: 1.0 everywhere is linear growth.
+writing; the rest is the process's start: imports, tokenizer, calibration windows) is kept per row. With
+``--cold`` the page cache is dropped before each quantize run (root only), so every row reads its weights from
+disk rather than from a cache that holds a small model whole and a large one in part. The 'vs smallest' column
+divides each row's time per billion parameters by the smallest model's of the same recipe: 1.0 everywhere is
+linear growth.
 
 Writes ``bench/results/scale.{json,md}`` (``--out-name``). Checkpoints go to ``--work`` (default a temporary
 directory; an 8B checkpoint is 16 GB of bfloat16).

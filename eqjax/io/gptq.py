@@ -2,8 +2,8 @@
 
 A directory holds config.json with ``quantization_config: {quant_method: gptq, bits, group_size, sym,
 desc_act, checkpoint_format}`` (or AutoRound's own format, ``quant_method: auto-round``, whose integer
-``packing_format``\ s are this layout: ``auto_round:auto_gptq`` as v1, ``auto_round``, ``auto_round:gptqmodel``
-and ``auto_round:exllamav2`` as v2; its ``extra_config`` gives a linear, by name or pattern, other bits, group
+packings are this layout: ``packing_format`` ``auto_round:auto_gptq`` as v1, ``auto_round``,
+``auto_round:gptqmodel`` and ``auto_round:exllamav2`` as v2; its ``extra_config`` gives a linear, by name or pattern, other bits, group
 or symmetry, as GPTQModel's ``dynamic`` does in GPTQ's own config) and, per quantized linear ``P`` (HF weight
 ``[out, in]``):
 
@@ -214,7 +214,8 @@ def _gptq_config(qc: Mapping[str, Any], where: str) -> dict[str, Any]:
     if packing not in _AUTOROUND_PACKINGS:
         raise FormatError(f"{where}: AutoRound packing_format {packing!r}; eqjax reads its GPTQ-layout packings "
                           f"({', '.join(_AUTOROUND_PACKINGS)})")
-    if str(qc.get("data_type", "int")) != "int" or int(qc.get("act_bits", 16) or 16) < 16:
+    act = qc.get("act_bits", 16)
+    if str(qc.get("data_type", "int")) != "int" or not (act is None or (isinstance(act, int) and act >= 16)):
         raise FormatError(f"{where}: AutoRound data_type {qc.get('data_type')!r}, act_bits {qc.get('act_bits')!r}; "
                           "eqjax reads integer weight-only AutoRound checkpoints")
     transforms = sorted(k for k in qc if "rotation" in k or "spinquant" in k or "hadamard" in k)

@@ -126,14 +126,23 @@ def test_autoround_own_format_reads_as_its_gptq_export(fp_dir, tmp_path, sym: bo
         assert np.all(gap <= (sx + sy) / 2 * (1 + 16 * EPS16) + 4 * EPS_BF16 * np.abs(w)), p
 
 
+@pytest.fixture(scope="module")
+def own_asym(fp_dir, tmp_path_factory) -> pathlib.Path:
+    """AutoRound's own-format export of its asymmetric round to nearest (groups of 64)."""
+    return _autoround(fp_dir, tmp_path_factory.mktemp("own") / "own", sym=False, group=64, fmt="auto_round")
+
+
 @pytest.mark.parametrize("edit, match", [
     ({"packing_format": "auto_round:auto_awq"}, r"packing_format 'auto_round:auto_awq'"),
     ({"data_type": "fp"}, r"data_type 'fp'"),
     ({"act_bits": 8}, r"act_bits 8"),
     ({"extra_config": {"model.layers.0.mlp.up_proj": {"bits": 2}}}, r"extra_config gives model\.layers\.0\.mlp\.up_proj bits 2"),
 ])
-def test_autoround_own_format_beyond_the_layout_is_refused(fp_dir, tmp_path, edit: dict, match: str) -> None:
-    d = _autoround(fp_dir, tmp_path / "own", sym=False, group=64, fmt="auto_round")
+def test_autoround_own_format_beyond_the_layout_is_refused(own_asym, tmp_path, edit: dict, match: str) -> None:
+    import shutil
+
+    d = tmp_path / "own"
+    shutil.copytree(own_asym, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"].update(edit)
     (d / "config.json").write_text(json.dumps(cfg))

@@ -71,7 +71,9 @@ SHAPES: dict[str, dict[str, Any]] = {
            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": _V3, "tie_word_embeddings": False,
            "max_position_embeddings": 8192, "rope_scaling": None},
 }
-"""The shape fields of each checkpoint's ``config.json`` (Llama-3.2-1B, Llama-3.2-3B, Llama-3-8B, a test model)."""
+SHAPES["8b1"] = {**SHAPES["8b"], "num_hidden_layers": 1}  # one 8B block with the 8B table and head: a probe
+"""The shape fields of each checkpoint's ``config.json`` (Llama-3.2-1B, Llama-3.2-3B, Llama-3-8B, the 8B shape's
+first block alone, a test model)."""
 
 
 def hf_config(shape: str, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict[str, Any]:

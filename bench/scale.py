@@ -124,6 +124,8 @@ def row(name: str, d: pathlib.Path, recipe: str, args: argparse.Namespace, work:
     phases = parse_phase_line(text)
     if phases is not None:
         r["phases_s"] = phases
+    r["units_s"] = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\s+(outer|head|layers_\d+): ([\d.]+)s$",
+                                                                       text, re.M)}
     for mode in (("", []), ("by_block_", ["--by-block"]))[:1 + args.by_block] if args.eval else ():
         ev = ["eval", "--checkpoint", str(out), "--eval-len", str(args.calib_len), "--eval-tokens", str(args.calib_len),
               "--batch-size", "1", *mode[1]]
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             d = work / f"random-{shape}"
             if not (d / rc.MARKER).is_file():
                 rc.write_checkpoint(shape, d, overwrite=d.exists())
-        name = "SmolLM2-135M" if shape == "135m" else f"random {shape.upper()} shape"
+        name = ("SmolLM2-135M" if shape == "135m" else "random 8B shape, first block only" if shape == "8b1"
+                else f"random {shape.upper()} shape")
         for recipe in args.recipes.split(","):
             r = row(name, d, recipe, args, work)
             print(json.dumps(r), flush=True)

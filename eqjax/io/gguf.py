@@ -245,6 +245,12 @@ def config_from_metadata(meta: dict[str, Any], *, source: str = "GGUF metadata",
         raise GGUFError(f"{source}: {e}") from None
 
 
+def _base_freq(cfg: Any) -> np.ndarray:
+    """Unscaled RoPE frequencies ``theta ** (-2 i / rotary_dim)`` in float64, ``[rotary_dim / 2]``."""
+    d = int(cfg.rotary_dim)
+    return 1.0 / float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d)
+
+
 def rope_freq_factors(cfg: Any) -> np.ndarray | None:
     """llama.cpp's ``rope_freqs.weight`` for a config: float32 ``[rotary_dim / 2]``, the number each base RoPE
     frequency ``theta ** (-2 i / rotary_dim)`` is divided by (1 for the high frequencies, ``factor`` for the low
@@ -252,10 +258,8 @@ def rope_freq_factors(cfg: Any) -> np.ndarray | None:
     s = cfg.rope_scaling
     if s is None or s.type != "llama3":
         return None
-    d = int(cfg.rotary_dim)
-    freq = 1.0 / float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d)
     old = float(s.original_max_position_embeddings)
-    wavelen = 2 * np.pi / freq
+    wavelen = 2 * np.pi / _base_freq(cfg)
     smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     blend = 1.0 / ((1.0 - smooth) / s.factor + smooth)
     out = np.where(wavelen < old / s.high_freq_factor, 1.0, np.where(wavelen > old / s.low_freq_factor, s.factor, blend))
@@ -283,7 +287,7 @@ def scaling_from_factors(cfg: Any, factors: np.ndarray, *, source: str,
     top = float(f.max())
     if np.all(np.abs(f - top) <= tol * top):
         return dataclasses.replace(cfg, rope_scaling=RopeScaling(type="linear", factor=top))
-    freq = 1.0 / float(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    freq = _base_freq(cfg)
     mid = (np.abs(f - 1.0) > tol) & (np.abs(f - top) > tol * top)
     kw: dict[str, Any] = {}
     if mid.sum() >= 2 and top > 1:
@@ -306,10 +310,11 @@ def scaling_from_factors(cfg: Any, factors: np.ndarray, *, source: str,
                     f"factor for low ones, the blend between); not supported")
 
 
-def file_config(reader: Any, *, source: str, n_vocab: int | None = None) -> Any:
+def file_config(reader: Any, *, source: str, n_vocab: int | None = None, meta: dict[str, Any] | None = None) -> Any:
     """The :class:`~eqjax.models.config.LlamaConfig` of an open GGUF file: :func:`config_from_metadata` and, when
-    the file has a ``rope_freqs.weight``, the RoPE scaling it stands for (:func:`scaling_from_factors`)."""
-    meta = _metadata(reader, tokenizer=False)
+    the file has a ``rope_freqs.weight``, the RoPE scaling it stands for (:func:`scaling_from_factors`);
+    ``meta``: the file's metadata when the caller has read it already."""
+    meta = _metadata(reader, tokenizer=False) if meta is None else meta
     try:
         cfg = config_from_metadata(meta, source=source, n_vocab=n_vocab)
     except (TypeError, ValueError, ArithmeticError) as e:
@@ -387,7 +392,7 @@ def load_gguf(path: str | os.PathLike[str] | None = None) -> tuple[Any, dict[str
     tensors = {t.name: t for t in reader.tensors}
     embed = tensors.get("token_embd.weight")
     n_vocab = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
-    cfg = file_config(reader, source=src, n_vocab=n_vocab)
+    cfg = file_config(reader, source=src, n_vocab=n_vocab, meta=meta)
     tensors.pop(ROPE_FREQS, None)  # read into the config
     tied = "output.weight" not in tensors
     if not tied:

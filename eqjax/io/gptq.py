@@ -229,12 +229,15 @@ def _layer_config(qc: Mapping[str, Any], stem: str, where: str) -> dict[str, Any
     name, or a pattern that matches it whole) or GPTQModel's ``dynamic`` one (``"+:pattern"`` or a bare pattern,
     matched from the start of the name, as GPTQModel does; ``"-:pattern"`` keeps a linear float, which then has
     no ``qweight`` and is not read here)."""
-    extra = qc.get("extra_config") or {}
+    extra, dynamic = qc.get("extra_config") or {}, qc.get("dynamic") or {}
+    if not isinstance(extra, dict) or not isinstance(dynamic, dict) \
+            or not all(isinstance(v, dict) for v in (*extra.values(), *dynamic.values())):
+        raise FormatError(f"{where}: extra_config / dynamic must map layer names or patterns to objects of fields")
     own = extra.get(stem)
     if own is None:
         own = next((v for k, v in extra.items() if _matches(k, stem, whole=True)), None)
     if own is None:
-        for key, value in (qc.get("dynamic") or {}).items():
+        for key, value in dynamic.items():
             sign, pattern = (key[0], key[2:]) if key[:2] in ("+:", "-:") else ("+", key)
             if _matches(pattern, stem, whole=False):
                 own = value if sign == "+" else None

@@ -136,6 +136,7 @@ def own_asym(fp_dir, tmp_path_factory) -> pathlib.Path:
     ({"packing_format": "auto_round:auto_awq"}, r"packing_format 'auto_round:auto_awq'"),
     ({"data_type": "fp"}, r"data_type 'fp'"),
     ({"act_bits": 8}, r"act_bits 8"),
+    ({"extra_config": ["model.layers.0.mlp.up_proj"]}, r"extra_config / dynamic must map"),
     ({"extra_config": {"model.layers.0.mlp.up_proj": {"bits": 2}}}, r"extra_config gives model\.layers\.0\.mlp\.up_proj bits 2"),
 ])
 def test_autoround_own_format_beyond_the_layout_is_refused(own_asym, tmp_path, edit: dict, match: str) -> None:

@@ -63,6 +63,8 @@ VENVS = {
     # and pinning 4.57.6 resolves to llmcompressor 0.6.0: so it gets its own env with what it asks for
     "llmcompressor": ["torch==2.13.0", "llmcompressor"],
     "gptqmodel": ["torch==2.13.0", "transformers==4.57.6", "gptqmodel"],
+    # the last llm-compressor whose compressed-tensors (0.10) still writes activation-ordered groups (g_idx)
+    "llmcompressor-0.6": ["torch==2.13.0", "transformers==4.57.6", "llmcompressor==0.6.0"],
 }
 PEER_PKG = {"auto-round": "auto-round", "llmcompressor": "llmcompressor", "gptqmodel": "gptqmodel",
             "rtn-torch": "torch", "fp": "torch"}
@@ -121,6 +123,8 @@ def configs(signround_iters: int = SIGNROUND_ITERS) -> dict[str, dict]:
         "autoround-w3g128-asym-i0": _ar(3, False, 0),
         f"autoround-w4g128-sym-i{n}": _ar(4, True, n),
         f"autoround-w4g128-asym-i{n}": _ar(4, False, n),
+        f"autoround-w3g128-asym-i{n}": _ar(3, False, n),
+        f"autoround-w2g64-asym-i{n}": _ar(2, False, n, group=64),
         "llmc-gptq-w4g128-sym": {"peer": "llmcompressor", "venv": "llmcompressor", "bits": 4, "group": 128,
                                  "sym": True, "iters": 0, "calib": f"{CALIB_WINDOWS} x {CALIB_CTX}"},
         # workaround for 576 % 128 != 0: a group size that divides 576 (and 1536); labelled g64

@@ -196,26 +196,40 @@ def dequantized_autoround(qmodel, cfg: dict):
     return fp
 
 
-def llmcompressor_gptq(model, calib, cfg: dict):
-    """llm-compressor oneshot GPTQ; the in-memory model after oneshot (fake-quantized float weights)."""
+def llmcompressor_gptq(model, calib, cfg: dict, tok=None):
+    """llm-compressor oneshot GPTQ; the in-memory model after oneshot (fake-quantized float weights), or with
+    ``cfg["save_dir"]`` the checkpoint it saves there (``save_pretrained(save_compressed=True)``) as transformers
+    loads it back. ``cfg["actorder"]``: GPTQ's activation ordering (``"group"``: a permuted ``weight_g_idx``);
+    ``cfg["calib_windows"]``: the first windows of ``calib`` only."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
 
+    calib = calib[: cfg.get("calib_windows") or len(calib)]
     ds = Dataset.from_dict({"input_ids": [list(map(int, r)) for r in calib],
                             "attention_mask": [[1] * calib.shape[1] for _ in calib]})
-    if cfg["group"] == 128 and cfg["sym"]:
+    if cfg["group"] == 128 and cfg["sym"] and not cfg.get("actorder"):
         recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
     else:
         recipe = GPTQModifier(
             targets="Linear", ignore=["lm_head"],
             config_groups={"group_0": {"targets": ["Linear"], "weights": {
                 "num_bits": cfg["bits"], "type": "int", "symmetric": cfg["sym"], "strategy": "group",
-                "group_size": cfg["group"]}}},
+                "group_size": cfg["group"], **({"actorder": cfg["actorder"]} if cfg.get("actorder") else {})}}},
         )
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(calib.shape[1]),
             num_calibration_samples=len(calib))
-    return model
+    if not cfg.get("save_dir"):
+        return model
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(cfg["save_dir"], save_compressed=True)
+    if tok is not None:
+        tok.save_pretrained(cfg["save_dir"])
+    loaded = AutoModelForCausalLM.from_pretrained(cfg["save_dir"], torch_dtype=torch.float32)
+    loaded.eval()
+    return loaded
 
 
 def gptqmodel_gptq(data: pathlib.Path, calib, cfg: dict, work: pathlib.Path):
@@ -271,7 +285,7 @@ def main() -> int:
             elif peer == "auto-round":
                 q = autoround(model, tokenizer(data), calib, cfg, work)
             elif peer == "llmcompressor":
-                q = llmcompressor_gptq(model, calib, cfg)
+                q = llmcompressor_gptq(model, calib, cfg, tokenizer(data))
             elif peer == "gptqmodel":
                 q = gptqmodel_gptq(data, calib, cfg, work)
             else:

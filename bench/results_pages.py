@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -888,28 +889,83 @@ def page_memory() -> str:
     return "\n".join(body)
 
 
+def _random_shape(model: str) -> str | None:
+    """The :mod:`random_checkpoint` shape of a scale row's model name ('random 8B shape, first block only' -> '8b1')."""
+    import re
+
+    m = re.match(r"random (\d+B) shape(, first block only)?$", model)
+    return None if m is None else m.group(1).lower() + ("1" if m.group(2) else "")
+
+
+def growth_figures(d: dict) -> str:
+    """Per recipe, the seconds per billion parameters of a table's smallest and largest random shapes, their ratio
+    and each phase of the run's own time split per billion parameters."""
+    parts = []
+    for recipe in dict.fromkeys(r["recipe"] for r in d["rows"]):
+        rs = sorted((r for r in d["rows"] if r["recipe"] == recipe and "error" not in r and "phases_s" in r
+                     and _random_shape(r["model"])), key=lambda r: r["parameters"])
+        if len(rs) < 2:
+            continue
+        a, b = rs[0], rs[-1]
+        ga, gb = a["parameters"] / 1e9, b["parameters"] / 1e9
+        phases = ", ".join(f"{PHASE_NAMES[k]} {a['phases_s'][k] / ga:.1f} -> {b['phases_s'][k] / gb:.1f}"
+                           for k in PHASE_NAMES if a["phases_s"].get(k) or b["phases_s"].get(k))
+        parts.append(f"`{recipe}` {a['s_per_billion']:.1f} -> {b['s_per_billion']:.1f} "
+                     f"({b['s_per_billion'] / a['s_per_billion']:.2f}x; by phase, {phases})")
+    if not parts:
+        return ""
+    return f"Seconds per billion parameters from the {rs[0]['model']} to the {rs[-1]['model']}: " + "; ".join(parts) + ". "
+
+
+def awq_unit_figures(d: dict) -> str:
+    """Seconds per billion parameters of each unit kind (decoder block, untied head) of each random shape's streamed
+    run, from its per-unit times and the shape's tensors, and the tied table's share of a tied shape's parameters."""
+    saved = list(sys.path)  # bench/random_checkpoint.py (the shapes' tensors) takes bench/ off the path on import
+    import random_checkpoint as rc
+
+    sys.path[:] = saved
+
+    parts, tied = [], []
+    for r in d["rows"]:
+        shape = _random_shape(r["model"])
+        units = r.get("units_s") or {}
+        if shape is None or "error" in r or not units:
+            continue
+        sizes = dict(rc.tensors(shape))
+        block = sum(math.prod(v) for k, v in sizes.items() if k.startswith("model.layers.0."))
+        blocks = [units[k] for k in sorted((k for k in units if k.startswith("layers_")), key=lambda k: int(k[7:]))]
+        if len(blocks) > 1:
+            t = statistics.median(blocks[1:])
+            parts.append(f"the {r['model']}'s blocks (after the first) {t:.1f} s for {block / 1e6:.1f} M parameters "
+                         f"({t / block * 1e9:.0f} s per billion; the first, its programs compiled, {blocks[0]:.1f} s)")
+        elif blocks:
+            parts.append(f"the {r['model']}: its block {blocks[0]:.1f} s for {block / 1e6:.1f} M parameters "
+                         f"({blocks[0] / block * 1e9:.0f} s per billion, its programs' compilation included)")
+        if "head" in units and "lm_head.weight" in sizes:
+            head = math.prod(sizes["lm_head.weight"])
+            parts.append(f"its untied head {units['head']:.1f} s for {head / 1e6:.1f} M parameters "
+                         f"({units['head'] / head * 1e9:.0f} s per billion)")
+        if "lm_head.weight" not in sizes:
+            table = math.prod(sizes["model.embed_tokens.weight"])
+            tied.append(f"in the {r['model']} the tied table is {100 * table / rc.n_params(shape):.0f} % of the "
+                        "parameters")
+    return ("Per unit: " + "; ".join(parts + tied) + ". ") if parts else ""
+
+
 SCALE_TABLES = (
-    ("scale_growth.json", "round to nearest and SmoothQuant on the current code with nothing else running, the page "
-                          "cache dropped before each run (every row reads its weights from disk), with each run's "
-                          "own split of its time. From the 1B to the 8B shape the seconds per billion parameters "
-                          "fall for round to nearest (24.2 -> 18.4, 0.76x) and stay within 5 % for SmoothQuant "
-                          "(53.8 -> 51.0, 0.95x): growth is linear, the fixed start (imports, tokenizer, windows: "
-                          "5-13 s) and each block's compilation weighing less as the model grows. By phase, 1B -> "
-                          "8B per billion parameters: reading 6.2 -> 4.9 s, the steps 6.4 -> 5.9 (round to nearest) "
-                          "and 10.9 -> 9.8 (SmoothQuant), the calibration forward 22.9 -> 24.0 (+5 %), writing "
-                          "7.3 -> 6.7 and 8.8 -> 10.8 (+23 %: SmoothQuant's 8 GB of int8 weights leave the page "
-                          "cache at the disk's pace). The +25 % / +29 % of `scale_methods.json` were measured "
-                          "before the changes of `scale_8b.json` and with other work beside the runs."),
-    ("scale_awq_units.json", "AWQ unit by unit, alone, the page cache dropped before each run: the 1B shape and "
-                             "the 8B shape's first block alone (with the 8B table and untied head). Per parameter "
-                             "of a decoder block AWQ costs the same at both sizes: 29.2 s for a 1B block of 60.8 M "
-                             "parameters (480 s per billion) against 110.3 s for an 8B block of 218.1 M (506 s per "
-                             "billion with its programs' compilation, which the 1B shape's first block shows to be "
-                             "about 8 s: 467 without). The untied 8B head (525.3 M parameters) takes 205 s (390 s "
-                             "per billion), the token table almost nothing. So the whole-model figure per parameter "
-                             "rises from 1B to 8B because the 1B shape's tied table, 21 % of its parameters, is not "
-                             "searched (the 8B shape's table is 6.5 %, its head searched): AWQ's time is linear in "
-                             "the parameters it searches."),
+    ("scale_growth.json", lambda d: "round to nearest and SmoothQuant on the current code with nothing else running, "
+                          "the page cache dropped before each run (every row reads its weights from disk), with each "
+                          "run's own split of its time. " + growth_figures(d) + "Growth is linear where the ratio is "
+                          "near or below 1: the fixed start (imports, tokenizer, windows) and each block's "
+                          "compilation weigh less as the model grows. A phase whose seconds per billion rise grows "
+                          "faster than the parameters (SmoothQuant's writing: its int8 weights leave the page cache "
+                          "at the disk's pace). The +25 % / +29 % of `scale_methods.json` were measured before the changes "
+                          "of `scale_8b.json` and with other work beside the runs."),
+    ("scale_awq_units.json", lambda d: "AWQ unit by unit, alone, the page cache dropped before each run: the 1B shape "
+                             "and the 8B shape's first block alone (with the 8B table and untied head). "
+                             + awq_unit_figures(d) + "AWQ's time is linear in the parameters it searches: a tied "
+                             "table is not searched (an untied head is), so a whole-model figure per parameter "
+                             "rises from a shape whose tied table is a large share of it to one whose is not."),
     ("scale_gguf_1b.json", "`eqjax export-gguf --checkpoint` of the random Llama-3.2-1B shape's round-to-nearest "
                            "directory: its `llama3` RoPE scaling written as `rope_freqs.weight` (refused before, "
                            "`scale_gguf.json`), the file read back and checked, its frequencies included."),
@@ -981,9 +1037,9 @@ def page_scale() -> str:
     for name, what in SCALE_TABLES:
         if not exists(name):
             continue
-        body.append(f"**`{name}`**: {what}\n")
-        base: dict[str, float] = {}
         d = load(name)
+        body.append(f"**`{name}`**: {what(d) if callable(what) else what}\n")
+        base: dict[str, float] = {}
         m = d["meta"]
         by_block = bool(m.get("eval_by_block"))
         export = bool(m.get("export"))

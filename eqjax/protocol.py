@@ -23,7 +23,7 @@ from eqjax.core.errors import CompatibilityError, InputError
 from eqjax.core.linear import ActQuantKernel
 from eqjax.core.numerics import dequantize_leaf
 from eqjax.core.pytree import flatten, get_path
-from eqjax.core.qarray import HalfFloat, QArray
+from eqjax.core.qarray import HalfFloat, PermutedKernel, QArray
 from eqjax.core.validate import check_params
 from eqjax.data import DataError, calibration_windows, encode_cached, load_text_file, news_tokens, token_windows, wikipedia_tokens
 from eqjax.evaluate import check_token_ids, is_streamed, model_size_bytes, peak_rss_mb, perplexity
@@ -208,6 +208,8 @@ def _extra_windows(name: str, tok: Any, tok_src: str, model: Any, ctx: int, n_ev
 def _leaf_kind(path: str, leaf: Any) -> tuple[str, Any, Any]:
     """What :func:`_bits_summary` counts of one leaf: ``("w", weight bits, activation bits or None)``,
     ``("half", is a kernel or embedding, None)``, ``("float", True, None)`` for a float kernel, else ``("other", ...)``."""
+    if isinstance(leaf, PermutedKernel):  # the inner kernel's bits
+        leaf = leaf.kernel
     if isinstance(leaf, ActQuantKernel):
         return "w", leaf.weight.bits, leaf.act_bits
     if isinstance(leaf, QArray):

@@ -7,6 +7,8 @@ A linear layer's params are a mapping ``{"kernel": K, "bias"?: [N]}`` where ``K`
   XLA, or the packed INT4 Pallas kernel);
 * a :class:`~eqjax.core.qarray.RotatedKernel` ``[in, out]`` (axis 0): the input is rotated online by a
   randomized Hadamard transform, then multiplied by its inner kernel (any of these kinds);
+* a :class:`~eqjax.core.qarray.PermutedKernel` ``[in, out]`` (axis 0): the input's features are gathered in
+  its order (activation-ordered GPTQ groups), then multiplied by its inner kernel (any of these kinds);
 * a :class:`~eqjax.core.qarray.HalfFloat` ``[in, out]``: a float kernel stored in 16 bits, widened first;
 * an :class:`ActQuantKernel`: the weight as a QArray plus dynamic (per-token or per-tensor) or
   static int8 activation quantization: ``int8 x int8 -> int32`` via
@@ -40,7 +42,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from eqjax.core.numerics import dequantize, integer_values
-from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel
+from eqjax.core.qarray import ActQuantKernel, HalfFloat, PermutedKernel, QArray, RotatedKernel
 from pallas_kernels import tuning
 
 __all__ = [
@@ -329,6 +331,8 @@ def linear(x: jax.Array, layer: Mapping[str, Any], *, backend: Backend | None = 
     """
     kernel = layer["kernel"]
     bias = layer.get("bias")
+    if isinstance(kernel, PermutedKernel):  # the input's features in the inner kernel's row order
+        x, kernel = kernel.gather_input(x, axis=-1), kernel.kernel
     if isinstance(kernel, RotatedKernel):  # online Hadamard of the input, then the inner kernel
         x, kernel = kernel.rotate_input(x, axis=-1), kernel.kernel
     if isinstance(kernel, HalfFloat):

@@ -55,6 +55,7 @@ from eqjax.core.qarray import (
     ActQuantKernel,
     Granularity,
     HalfFloat,
+    PermutedKernel,
     QArray,
     QArrayError,
     RotatedKernel,
@@ -490,10 +491,14 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     return x.astype(dtype or q.dtype)
 
 
-def dequantize_leaf(w: QArray | ActQuantKernel | RotatedKernel | HalfFloat | jax.Array, dtype=None) -> jax.Array:
+def dequantize_leaf(w: QArray | ActQuantKernel | RotatedKernel | PermutedKernel | HalfFloat | jax.Array,
+                    dtype=None) -> jax.Array:
     """The float weight a param leaf stands for, in the leaf's own layout and shape (``dtype`` defaults
     to the leaf's): a QArray dequantized, an ActQuantKernel's weight, a RotatedKernel's ``Q`` applied to
-    its (dequantized) kernel along its ``axis``, a HalfFloat widened; a float array as is."""
+    its (dequantized) kernel along its ``axis``, a PermutedKernel's (dequantized) kernel put back in input
+    order, a HalfFloat widened; a float array as is."""
+    if isinstance(w, PermutedKernel):
+        return w.unpermute(dequantize_leaf(w.kernel, dtype))
     if isinstance(w, HalfFloat):
         return w.widen() if dtype is None else w.widen().astype(dtype)
     if isinstance(w, RotatedKernel):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from eqjax.core.errors import InputError
-from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray
+from eqjax.core.qarray import ActQuantKernel, HalfFloat, PermutedKernel, QArray
 
 __all__ = [
     "is_leaf", "path_str", "flatten", "flatten_with_paths", "float_aval", "map_with_path", "tree_nbytes",
@@ -19,8 +19,8 @@ Params = Any
 
 
 def is_leaf(x: Any) -> bool:
-    """QArray, ActQuantKernel and HalfFloat count as single leaves of a param tree."""
-    return isinstance(x, (QArray, ActQuantKernel, HalfFloat))
+    """QArray, ActQuantKernel, PermutedKernel and HalfFloat count as single leaves of a param tree."""
+    return isinstance(x, (QArray, ActQuantKernel, PermutedKernel, HalfFloat))
 
 
 def path_str(path: tuple) -> str:

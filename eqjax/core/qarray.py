@@ -79,6 +79,8 @@ __all__ = [
     "validate",
     "ActQuantKernel",
     "RotatedKernel",
+    "PermutedKernel",
+    "validate_permuted",
     "HalfFloat",
     "HALF_DTYPES",
     "validate_half",
@@ -460,6 +462,66 @@ class RotatedKernel:
 jax.tree_util.register_dataclass(RotatedKernel, data_fields=["kernel"], meta_fields=["seed", "axis"])
 
 
+@dataclasses.dataclass(frozen=True)
+class PermutedKernel:
+    """A weight whose input features are gathered in another order before its inner kernel is applied
+    (GPTQ's activation-ordered groups, ``desc_act`` with a permuted ``g_idx``).
+
+    The weight's use computes ``x.take(perm, axis=k) . kernel`` with ``x``'s axis ``k`` paired with the
+    weight's input axis ``axis``, so it stands for the float weight ``W`` with ``W[perm[j]] = kernel[j]``
+    along ``axis`` (``W = kernel.take(argsort(perm), axis)``): the inner kernel's contiguous groups are
+    the scattered groups of ``W``'s inputs.
+
+    Attributes:
+      kernel: a QArray (or a float array) of ``W``'s shape, its rows in ``perm``'s order.
+      perm: int32 ``[shape[axis]]``, a permutation of ``0 .. shape[axis] - 1``.
+      axis: the weight's (only) contracted input axis.
+
+    Invariants (checked by :func:`validate_permuted`): ``perm`` is int32 of length ``shape[axis]`` and
+    holds every index once.
+    """
+
+    kernel: Any
+    perm: jax.Array
+    axis: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.kernel.shape)
+
+    @property
+    def dtype(self) -> Any:
+        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
+        return k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        k = self.kernel
+        inner = int(k.nbytes) if is_quantized(k) else int(np.prod(k.shape, dtype=np.int64)) * jnp.dtype(k.dtype).itemsize
+        return inner + _nbytes(self.perm)
+
+    def gather_input(self, x: jax.Array, axis: int = -1) -> jax.Array:
+        """``x`` with its ``axis`` (the one paired with the weight's input axis) taken in ``perm``'s order."""
+        return jnp.take(x, jnp.asarray(self.perm), axis=axis)
+
+    def unpermute(self, w: jax.Array) -> jax.Array:
+        """The float weight ``W`` from the inner kernel's float values ``w`` (rows in ``perm``'s order)."""
+        return jnp.take(w, jnp.argsort(jnp.asarray(self.perm)), axis=self.axis)
+
+
+jax.tree_util.register_dataclass(PermutedKernel, data_fields=["kernel", "perm"], meta_fields=["axis"])
+
+
+def validate_permuted(p: PermutedKernel, *, name: str = "PermutedKernel") -> PermutedKernel:
+    """``p`` if its invariants hold (see :class:`PermutedKernel`), else :class:`QArrayError` naming ``name``."""
+    n = p.shape[p.axis]
+    if jnp.dtype(p.perm.dtype) != jnp.int32 or tuple(p.perm.shape) != (n,):
+        raise QArrayError(f"{name}: perm must be int32 [{n}], got {jnp.dtype(p.perm.dtype).name} {tuple(p.perm.shape)}")
+    if not isinstance(p.perm, jax.core.Tracer) and not np.array_equal(np.sort(np.asarray(p.perm)), np.arange(n)):
+        raise QArrayError(f"{name}: perm is not a permutation of 0 .. {n - 1}")
+    return p
+
+
 HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -522,7 +584,7 @@ def validate_half(h: HalfFloat, *, name: str = "HalfFloat") -> HalfFloat:
 
 
 def is_quantized(x: Any) -> bool:
-    """True for a QArray, an ActQuantKernel, a RotatedKernel or a HalfFloat (the leaves a weight use
+    """True for a QArray, an ActQuantKernel, a RotatedKernel, a PermutedKernel or a HalfFloat (the leaves a weight use
     must treat specially: :func:`eqjax.core.qdot.weight_dot`; any other reader widens them with
     :func:`eqjax.core.numerics.dequantize_leaf`)."""
-    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel, HalfFloat))
+    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel, PermutedKernel, HalfFloat))

@@ -8,6 +8,8 @@
   is put back into the dot's own output layout. Any weight rank and either operand side.
 * :class:`~eqjax.core.qarray.RotatedKernel`: the activation is rotated along its contracted axis (fast
   Hadamard transform, :mod:`eqjax.core.hadamard`), then the inner kernel's dot as above (float or quantized).
+* :class:`~eqjax.core.qarray.PermutedKernel`: the activation's contracted features are gathered in the
+  kernel's row order (activation-ordered GPTQ groups), then the inner kernel's dot as above.
 * :class:`~eqjax.core.qarray.HalfFloat` (a float weight stored in 16 bits): widened, then the dot as the model
   wrote it.
 * :class:`~eqjax.core.qarray.QArray` (weight-only): with a Pallas backend and a plain ``[in, out]``
@@ -30,7 +32,7 @@ from eqjax.core.errors import InputError
 from eqjax.core.linear import act_quant_matmul, current_backend, matmul_2d, w8a8_k_order
 from eqjax.core.numerics import dequantize, dequantize_leaf
 from eqjax.core.program import Node, Program
-from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
+from eqjax.core.qarray import ActQuantKernel, HalfFloat, PermutedKernel, QArray, RotatedKernel, is_quantized
 from eqjax.core.views import apply_view, bind
 
 __all__ = ["weight_dot", "embedding_gather", "activation_rows", "assemble_output"]
@@ -65,16 +67,19 @@ def _plain(use: WeightUse) -> bool:
 
 
 def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) -> jax.Array:
-    """The dot at ``use`` with the quantized param ``w`` (QArray, ActQuantKernel, RotatedKernel or HalfFloat)."""
+    """The dot at ``use`` with the quantized param ``w`` (QArray, ActQuantKernel, RotatedKernel, PermutedKernel
+    or HalfFloat)."""
     out_dtype = prog.avals[node.outs[0]].dtype
     if isinstance(w, HalfFloat):
         operand = apply_view(prog, use, dequantize_leaf(w))
         return bind(node, [x, operand] if use.side == 1 else [operand, x])[0]
-    if isinstance(w, RotatedKernel):
+    if isinstance(w, (RotatedKernel, PermutedKernel)):
         if use.contracting != (w.axis,) or use.batch or use.view.index:
-            raise InputError(f"{use.path}: an online-rotated weight must be used with its axis {w.axis} as the only "
+            what = "an online-rotated" if isinstance(w, RotatedKernel) else "an input-permuted"
+            raise InputError(f"{use.path}: {what} weight must be used with its axis {w.axis} as the only "
                              f"contracted axis (found {use.contracting}) and no batch or stacked axes")
-        x = w.rotate_input(x, axis=use.x_contracting[0])
+        k = use.x_contracting[0]
+        x = w.rotate_input(x, axis=k) if isinstance(w, RotatedKernel) else w.gather_input(x, axis=k)
         if is_quantized(w.kernel):
             return weight_dot(prog, use, node, x, w.kernel)
         operand = apply_view(prog, use, w.kernel)
@@ -95,7 +100,7 @@ def weight_dot(prog: Program, use: WeightUse, node: Node, x: jax.Array, w: Any) 
 
 def embedding_gather(prog: Program, emb: EmbeddingUse, node: Node, w: Any, indices: jax.Array) -> jax.Array:
     """The row gather at ``emb`` from a quantized table: only the looked-up rows are dequantized."""
-    if isinstance(w, (RotatedKernel, HalfFloat)):
+    if isinstance(w, (RotatedKernel, PermutedKernel, HalfFloat)):
         return bind(node, [apply_view(prog, emb, dequantize_leaf(w, w.dtype)), indices])[0]
     q = w.weight if isinstance(w, ActQuantKernel) else w
     out = prog.avals[node.outs[0]]

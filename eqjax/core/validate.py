@@ -11,7 +11,7 @@ import numpy as np
 from eqjax.core.errors import CompatibilityError, NonFiniteError, RecipeError
 from eqjax.core.linear import ActQuantKernel
 from eqjax.core.pytree import flatten
-from eqjax.core.qarray import HalfFloat, QArray
+from eqjax.core.qarray import HalfFloat, PermutedKernel, QArray
 
 
 class NonFiniteParamsError(RecipeError, NonFiniteError):
@@ -67,6 +67,8 @@ def check_params(params: Any, source: str = "params", *, allow_int: bool = False
         if leaf is None:
             continue
         parts: list[tuple[str, Any]]
+        if isinstance(leaf, PermutedKernel):  # its inner kernel's arrays; the permutation is checked when built
+            leaf = leaf.kernel
         if isinstance(leaf, HalfFloat):
             parts = [("", leaf.values)]
         elif isinstance(leaf, ActQuantKernel):

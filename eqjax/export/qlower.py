@@ -48,7 +48,7 @@ import onnx
 from eqjax.core.hadamard import hadamard_factor_matrices
 from eqjax.core.numerics import codes, expand_scale, integer_values
 from eqjax.core.pytree import flatten, is_leaf
-from eqjax.core.qarray import ActQuantKernel, HalfFloat, QArray, RotatedKernel, is_quantized
+from eqjax.core.qarray import ActQuantKernel, HalfFloat, PermutedKernel, QArray, RotatedKernel, is_quantized
 from eqjax.export.graph import MS_DOMAIN, ExportError, Graph
 
 __all__ = ["Blocked", "blocked", "check_exportable", "export_params", "emit_weight_matmul",
@@ -61,16 +61,18 @@ W8A8_ZERO_POINT = 128
 
 
 def export_params(params: Any) -> tuple[Any, dict[str, Any]]:
-    """``(params to trace, path -> leaf)``: a :class:`~eqjax.core.qarray.RotatedKernel` is traced as a float
-    array of its logical shape (the walker lowers its online rotation at the weight use,
-    :func:`emit_weight_matmul`) and kept whole in the path map."""
+    """``(params to trace, path -> leaf)``: a :class:`~eqjax.core.qarray.RotatedKernel` or
+    :class:`~eqjax.core.qarray.PermutedKernel` is traced as a float array of its logical shape (the walker
+    lowers its online rotation or input gather at the weight use, :func:`emit_weight_matmul`) and kept whole
+    in the path map."""
     import jax
 
 
     def leaf(x: Any) -> bool:
-        return is_leaf(x) or isinstance(x, RotatedKernel)
+        return is_leaf(x) or isinstance(x, (RotatedKernel, PermutedKernel))
 
-    traced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, RotatedKernel) else x,
+    traced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, (RotatedKernel, PermutedKernel))
+                          else x,
                           params, is_leaf=leaf)
     return traced, dict(flatten(params, leaf_type=leaf))
 
@@ -91,10 +93,11 @@ def half_initializer(leaf: Any) -> bool:
 def check_exportable(path: str, leaf: Any) -> str:
     """The lowering of a quantized leaf (``"nbits" | "dq" | "w8a8"``; a RotatedKernel's inner leaf's, or
     ``"float"``), or :class:`ExportError` naming it."""
-    if isinstance(leaf, RotatedKernel):
+    if isinstance(leaf, (RotatedKernel, PermutedKernel)):
+        what = "an online rotation" if isinstance(leaf, RotatedKernel) else "an input gather (activation-ordered groups)"
         if len(leaf.shape) != 2 or leaf.axis != 0:
-            raise ExportError(f"{path}: an online rotation is exported for a 2-D [in, out] weight rotated along its "
-                              f"input axis 0, got shape {tuple(leaf.shape)}, axis {leaf.axis}")
+            raise ExportError(f"{path}: {what} is exported for a 2-D [in, out] weight along its input axis 0, got "
+                              f"shape {tuple(leaf.shape)}, axis {leaf.axis}")
         return check_exportable(path, leaf.kernel)
     if isinstance(leaf, ActQuantKernel):
         w = leaf.weight
@@ -302,8 +305,13 @@ def emit_rotation(g: Graph, x: str, leaf: RotatedKernel, rank: int, *, hint: str
 
 def emit_weight_matmul(g: Graph, x: str, leaf: Any, use: Any, lead: Sequence[Any], *, hint: str,
                        accuracy_level: int | None) -> str:
-    """:func:`emit_matmul` of ``x [*lead, K]``, with a RotatedKernel's online rotation of ``x`` first (then
-    its inner kernel: quantized as there, or a float ``MatMul``)."""
+    """:func:`emit_matmul` of ``x [*lead, K]``, with a PermutedKernel's gather of ``x``'s features and a
+    RotatedKernel's online rotation of ``x`` first (then its inner kernel: quantized as there, or a float
+    ``MatMul``)."""
+    if isinstance(leaf, PermutedKernel):
+        check_exportable(use.path, leaf)
+        perm = g.init(hint + ".perm", np.asarray(leaf.perm, np.int64))
+        x, leaf = g.op("Gather", [x, perm], axis=-1, hint=hint + ".gathered"), leaf.kernel
     if isinstance(leaf, RotatedKernel):
         kind = check_exportable(use.path, leaf)
         x, leaf = emit_rotation(g, x, leaf, len(lead) + 1, hint=hint), leaf.kernel

@@ -23,6 +23,10 @@ The format's integers are signed: ``q`` in ``[-2**(b-1), 2**(b-1) - 1]`` with ``
 packing adds ``2**(b-1)``. eqjax's unsigned codes and zero points (:mod:`eqjax.core.qarray`) are exactly the
 packed unsigned values, so writing and reading move integers without a float detour.
 
+A ``P.weight_g_idx`` (each input's group: ``actorder: group``, which older llm-compressor releases wrote and
+the package dropped in 0.20) is read as a :class:`~eqjax.core.qarray.PermutedKernel` (the codes' inputs in
+group order, the input gathered at use); such a weight is not written here (:mod:`eqjax.io.gptq` writes it).
+
 Groups must divide ``in`` in this format (its loaders reshape ``in`` into whole groups). A group layout
 whose last group is shorter (``576 = 4 x 128 + 64``) is written exactly with groups of ``gcd(group, in)``,
 each scale repeated: the same values, more scale bytes (:func:`save_compressed_tensors` reports it).
@@ -43,7 +47,16 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_channel, per_group, per_tensor, validate
+from eqjax.core.qarray import (
+    ActQuantKernel,
+    PermutedKernel,
+    QArray,
+    RotatedKernel,
+    per_channel,
+    per_group,
+    per_tensor,
+    validate,
+)
 from eqjax.io.hf import (
     HFTensor,
     StreamedParams,
@@ -60,8 +73,10 @@ from eqjax.io.hf_quantized import (
     TOKENIZER_FILES,
     WEIGHT_BITS,
     FormatError,
+    group_order,
     pack_codes,
     pack_int32,
+    permuted,
     recipe_refusal,
     save_streamed,
     unpack_int32,
@@ -128,6 +143,10 @@ def _scales(q: QArray, size: int, dtype: str) -> tuple[np.ndarray, np.ndarray | 
 def _encode(name: str, parts: list[Any], dtype: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Stored tensors and scheme of one quantized HF linear from its tree parts (fused parts concatenated on out)."""
     where = f"{name} ({FORMAT})"
+    if any(isinstance(p, PermutedKernel) for p in parts):
+        raise FormatError(f"{where}: activation-ordered groups (inputs in another order); the compressed-tensors "
+                          "package no longer reads a group index (actorder group, removed in its 0.20): write the "
+                          "checkpoint as gptq, which keeps g_idx")
     act = [p for p in parts if isinstance(p, ActQuantKernel)]
     if act and len(act) != len(parts):
         raise FormatError(f"{where}: fused parts mix quantized and float activations")
@@ -206,7 +225,8 @@ class _Encoder:
         self.float_linears: list[str] = []
 
     def __call__(self, t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
-        kinds = {type(x) for x in leaves}
+        inner = [x.kernel if isinstance(x, PermutedKernel) else x for x in leaves]
+        kinds = {type(x) for x in inner}
         if RotatedKernel in kinds:
             raise FormatError(f"{'/'.join(t.paths[0])}: an online rotation (RotatedKernel), which {FORMAT} cannot hold")
         if not kinds & {QArray, ActQuantKernel}:
@@ -220,7 +240,7 @@ class _Encoder:
                               "linear weight; the format quantizes Linear layers only")
         tensors, scheme = _encode(t.name, leaves, file_dtype)
         self.schemes[_module(t.name)] = scheme
-        q0 = leaves[0].weight if isinstance(leaves[0], ActQuantKernel) else leaves[0]
+        q0 = inner[0].weight if isinstance(inner[0], ActQuantKernel) else inner[0]
         if scheme["weights"]["group_size"] and scheme["weights"]["group_size"] != q0.granularity.group_size:
             self.regrouped.append(_module(t.name))
         return tensors
@@ -369,11 +389,12 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
     if strategy != "tensor" and tuple(stored_scale.shape) != (n_out, groups):
         raise FormatError(f"{where}.weight_scale: expected shape {(n_out, groups)}, found {tuple(stored_scale.shape)}")
     g_idx = tensors.get(f"{stem}.weight_g_idx")
+    perm = None
     if g_idx is not None:
         used.add(f"{stem}.weight_g_idx")
-        if strategy != "group" or not np.array_equal(np.asarray(g_idx), np.arange(n_in) // int(w["group_size"])):
-            raise FormatError(f"{where}.weight_g_idx: activation-ordered groups (a permuted group index); eqjax's "
-                              "group layout holds contiguous groups only")
+        if strategy != "group":
+            raise FormatError(f"{where}.weight_g_idx: a group index with {strategy} scales")
+        perm = group_order(g_idx, n_in, int(w["group_size"]), f"{where}.weight_g_idx")  # actorder group: gathered
     zp = None
     if not sym:
         zraw = need("weight_zero_point")
@@ -385,6 +406,9 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
         need("input_scale")
     if not decode:
         return [None] * len(t.paths), used
+    if perm is not None:  # the codes' input columns in group order: the groups contiguous
+        stored = unpacked
+        unpacked = lambda lo, hi: stored(lo, hi)[:, perm]  # noqa: E731
     scale = np.asarray(stored_scale).astype(np.float32)
     if strategy == "tensor":
         scale = np.broadcast_to(scale.reshape(-1)[:1], (n_out, 1))
@@ -414,7 +438,7 @@ def _decode(t: HFTensor, scheme: Mapping[str, Any], tensors: Mapping[str, np.nda
             [pack_codes(unpacked(lo, min(lo + step, b)).T, bits) for lo in range(a, b, step)], axis=1)
         q = _qarray(codes, scale[rows].T, None if zp is None else zp[rows].T, bits, gran,
                     f"{'/'.join(path)} ({where})", tensor=strategy == "tensor", shape=(n_in, b - a))
-        parts.append(q if act_kw is None else ActQuantKernel(q, **act_kw))
+        parts.append(permuted(q if act_kw is None else ActQuantKernel(q, **act_kw), perm, f"{'/'.join(path)} ({where})"))
     return parts, used
 
 
@@ -478,10 +502,12 @@ def _open(directory: str | os.PathLike[str], lazy: bool) -> tuple[Any, Any, dict
 
 def load_compressed_tensors(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
     """``(Model, params)`` of a compressed-tensors directory: its quantized linears as QArrays (W8A8 as
-    ActQuantKernels) built from the stored integers, the rest float (``dtype``).
+    ActQuantKernels, a group index's activation-ordered groups as PermutedKernels) built from the stored
+    integers, the rest float (``dtype``).
 
     Raises :class:`FormatError` / :class:`~eqjax.io.hf.CheckpointError` naming the file and tensor for a
-    scheme eqjax cannot hold (float8, 2/3-bit, activation-ordered groups, sparsity) or a malformed tensor.
+    scheme eqjax cannot hold (float8, 2/3-bit, a group index whose groups are not all of the group size,
+    sparsity) or a malformed tensor.
     """
     config, tensors, origin, root, take = _open(directory, lazy=True)  # mapped: one stored tensor resident at a time
     return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)

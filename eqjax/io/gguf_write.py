@@ -39,7 +39,7 @@ import numpy as np
 
 from eqjax.core.numerics import dequantize_leaf
 from eqjax.core.pytree import flatten
-from eqjax.core.qarray import ActQuantKernel, QArray, is_quantized
+from eqjax.core.qarray import ActQuantKernel, PermutedKernel, QArray, is_quantized
 from eqjax.export.graph import ExportError
 from eqjax.export.qlower import blocked, half_initializer, lowered_at_use
 from eqjax.io.atomic import atomic_path, check_output_file
@@ -97,6 +97,10 @@ def gguf_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, 
 def _torch_blocks(leaf: Any, linear: bool, path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Unsigned codes ``[rows, K]`` and per-32 scales / zero points of a quantized leaf, in torch layout."""
 
+    if isinstance(leaf, PermutedKernel):
+        raise GGUFError(f"{path}: activation-ordered groups (a GPTQ desc_act g_idx: inputs in another order); GGUF's "
+                        "blocks run along the inputs in order, so they cannot hold it (export to ONNX, or quantize "
+                        "the float model)")
     if isinstance(leaf, ActQuantKernel) or not isinstance(leaf, QArray):
         raise GGUFError(f"{path}: {type(leaf).__name__} (activation quantization / rotation) cannot be written to GGUF; "
                         "use a weight-only recipe")

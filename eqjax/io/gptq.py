@@ -15,8 +15,10 @@ or symmetry, as GPTQModel's ``dynamic`` does in GPTQ's own config) and, per quan
 
 ``x = scale[g_idx[k]] * (q - zero[g_idx[k]])`` with unsigned codes: eqjax's codes and zero points are the
 stored values as they are (plus v1's offset), so nothing is dequantized on the way in or out. Groups are
-``g_idx = k // group_size`` (a shorter last group where ``group_size`` does not divide ``in``, as eqjax's);
-activation-ordered groups (``desc_act`` with a permuted ``g_idx``) are refused on reading. Widths 4 and 8
+``g_idx = k // group_size`` (a shorter last group where ``group_size`` does not divide ``in``, as eqjax's).
+Activation-ordered groups (``desc_act`` with a permuted ``g_idx``) are read as a
+:class:`~eqjax.core.qarray.PermutedKernel`: the codes' rows in group order around the inputs' order, so the
+input's features are gathered at use (what GPTQ kernels do with ``g_idx``), and written back the same way. Widths 4 and 8
 bits (the ones packed whole into words). Written in v1 (what AutoGPTQ, transformers' GPTQ integration and
 vLLM read), which cannot hold a zero point of 0: such a weight is refused, naming it.
 """
@@ -32,7 +34,7 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from eqjax.core.qarray import ActQuantKernel, QArray, RotatedKernel, per_group, validate
+from eqjax.core.qarray import ActQuantKernel, PermutedKernel, QArray, RotatedKernel, per_group, validate
 from eqjax.io.hf import (
     HFTensor,
     StreamedParams,
@@ -47,10 +49,13 @@ from eqjax.io.hf import (
 )
 from eqjax.io.hf_quantized import (
     FormatError,
+    group_order,
     pack_codes,
     pack_int32,
+    permuted,
     recipe_refusal,
     save_streamed,
+    stored_order,
     unpack_int32,
     unsigned_codes,
     write_directory,
@@ -76,6 +81,7 @@ def check_recipe(recipe: Any) -> None:
 
 def _encode(t: HFTensor, parts: list[Any], dtype: str) -> tuple[dict[str, np.ndarray], tuple[int, int, bool]]:
     stem = t.name[: -len(".weight")]
+    parts, inv = stored_order(parts, t.name)
     for q in parts:
         if not isinstance(q, QArray):
             raise FormatError(f"{'/'.join(t.paths[0])}: a {type(q).__name__}; the {GPTQ_FORMAT} layout holds weight-only "
@@ -95,10 +101,13 @@ def _encode(t: HFTensor, parts: list[Any], dtype: str) -> tuple[dict[str, np.nda
     if (zp == 0).any():
         raise FormatError(f"{t.name} ({GPTQ_FORMAT}): a zero point of 0, which the v1 layout (zero - 1) cannot hold")
     scale = np.concatenate([np.asarray(q.scale, np.float32) for q in parts], axis=1)
+    g_idx = (np.arange(k) // size).astype(np.int32)
+    if inv is not None:  # activation-ordered groups: rows back in input order, each input's group stored
+        u, g_idx = u[inv], g_idx[inv]
     out = {f"{stem}.qweight": np.ascontiguousarray(pack_int32(u.T, bits).T),
            f"{stem}.qzeros": np.ascontiguousarray(pack_int32((zp - 1).astype(np.uint8), bits)),
            f"{stem}.scales": cast_float(scale, dtype),
-           f"{stem}.g_idx": (np.arange(k) // size).astype(np.int32)}
+           f"{stem}.g_idx": g_idx}
     return out, (bits, size, bool(q0.symmetric))
 
 
@@ -110,9 +119,10 @@ class _Encoder:
     def __init__(self) -> None:
         self.scheme: tuple[int, int, bool] | None = None
         self.skipped: list[str] = []
+        self.desc_act = False
 
     def __call__(self, t: HFTensor, leaves: list[Any], file_dtype: str) -> dict[str, np.ndarray] | None:
-        if not any(isinstance(x, (QArray, ActQuantKernel, RotatedKernel)) for x in leaves):
+        if not any(isinstance(x, (QArray, ActQuantKernel, RotatedKernel, PermutedKernel)) for x in leaves):
             if t.transposed and len(t.hf_shape) == 2:
                 self.skipped.append(t.name[: -len(".weight")])
             return None
@@ -122,6 +132,7 @@ class _Encoder:
                               f"{_describe(self.scheme)}; the layout's config holds one bit width, group size and "
                               "symmetry for every quantized linear")
         self.scheme = scheme
+        self.desc_act |= any(isinstance(x, PermutedKernel) for x in leaves)
         return tensors
 
     def config(self, config: Any, dtype: str, extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -132,20 +143,22 @@ class _Encoder:
         bits, size, sym = self.scheme
         hf_cfg = hf_config_dict(config, dtype, extra)
         hf_cfg["quantization_config"] = {"quant_method": GPTQ_FORMAT, "bits": bits, "group_size": size, "sym": sym,
-                                         "desc_act": False, "checkpoint_format": "gptq", "true_sequential": True,
+                                         "desc_act": self.desc_act, "checkpoint_format": "gptq", "true_sequential": True,
                                          "damp_percent": 0.01, "modules_in_block_to_quantize": None,
                                          "lm_head": "lm_head" not in self.skipped and not config.tie_word_embeddings}
         return hf_cfg
 
     def state(self) -> dict[str, Any]:
         """What it collected so far (JSON), for :meth:`restore` in a resumed run."""
-        return {"scheme": None if self.scheme is None else list(self.scheme), "skipped": self.skipped}
+        return {"scheme": None if self.scheme is None else list(self.scheme), "skipped": self.skipped,
+                "desc_act": self.desc_act}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         if state.get("scheme") is not None:
             bits, size, sym = state["scheme"]
             self.scheme = (int(bits), int(size), bool(sym))
         self.skipped += state.get("skipped", [])
+        self.desc_act |= bool(state.get("desc_act", False))
 
     def summary(self, root: Path, size: int) -> dict[str, Any]:
         bits, group, sym = self.scheme or (None, None, None)
@@ -288,12 +301,15 @@ def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray
     stored_scale = tensors.get(f"{stem}.scales", np.zeros(0))
     if tuple(stored_scale.shape) != (groups, n_out):
         raise FormatError(f"{where}.scales: expected shape {(groups, n_out)}, found {tuple(stored_scale.shape)}")
-    if f"{stem}.g_idx" in tensors and not np.array_equal(tensors[f"{stem}.g_idx"], np.arange(n_in) // size):
-        raise FormatError(f"{where}.g_idx: activation-ordered groups (desc_act); eqjax's group layout holds "
-                          "contiguous groups only")
+    g_idx = tensors.get(f"{stem}.g_idx")
+    if g_idx is not None and stored_in > n_in and g_idx.shape == (stored_in,):
+        g_idx = np.asarray(g_idx)[:n_in]  # the padding's groups
+    perm = group_order(g_idx, n_in, size, f"{where}.g_idx")  # activation-ordered groups (desc_act): inputs gathered
     if not decode:
         return [None] * len(t.paths), names & set(tensors)
     u = unpack_int32(np.ascontiguousarray(qweight.T), bits, stored_in).T[:n_in]  # [in, out]: padding dropped
+    if perm is not None:
+        u = u[perm]  # rows in group order: the groups contiguous
     zs = unpack_int32(qzeros, bits, n_out)
     scale = np.asarray(stored_scale).astype(np.float32)
     zp = zs.astype(np.int32) + (1 if qc.get("checkpoint_format", "gptq") == "gptq" else 0)
@@ -309,7 +325,7 @@ def _decode(t: HFTensor, qc: Mapping[str, Any], tensors: Mapping[str, np.ndarray
         values = pack_codes(uu, bits) if bits <= 4 else uu
         q = QArray(jnp.asarray(values), jnp.asarray(ss), None if sym else jnp.asarray(zz), bits, sym, gran, uu.shape)
         try:
-            parts.append(validate(q, name=f"{'/'.join(path)} ({where})"))
+            parts.append(permuted(validate(q, name=f"{'/'.join(path)} ({where})"), perm, f"{'/'.join(path)} ({where})"))
         except ValueError as e:
             raise FormatError(f"{'/'.join(path)} ({where}): {e}") from None
     return parts, names & set(tensors)
@@ -355,8 +371,9 @@ def _open(directory: str | os.PathLike[str], lazy: bool) -> tuple[Any, Any, dict
 
 def load_gptq(directory: str | os.PathLike[str], *, dtype: Any = jnp.float32) -> tuple[Model, dict[str, Any]]:
     """``(Model, params)`` of a GPTQ directory: its quantized linears as QArrays from the stored integers, the
-    rest float (``dtype``). Raises :class:`FormatError` naming the file and tensor for what eqjax cannot hold
-    (2/3-bit, activation-ordered groups, a malformed tensor)."""
+    rest float (``dtype``; activation-ordered groups as :class:`~eqjax.core.qarray.PermutedKernel` s). Raises
+    :class:`FormatError` naming the file and tensor for what eqjax cannot hold (2/3-bit, a group index whose
+    groups are not all of the group size, a malformed tensor)."""
     config, tensors, origin, root, take = _open(directory, lazy=True)  # mapped: one stored tensor resident at a time
     return Model(config), assemble_params(config, tensors, origin, root, dtype=dtype, take=take)
 

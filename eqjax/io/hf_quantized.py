@@ -17,12 +17,13 @@ import numpy as np
 from eqjax.core.errors import CompatibilityError
 from eqjax.core.numerics import codes, pack
 from eqjax.core.pytree import nest_paths
-from eqjax.core.qarray import QArray
+from eqjax.core.qarray import PermutedKernel, QArray, validate_permuted
 from eqjax.io.atomic import atomic_directory
 from eqjax.io.hf import INDEX_FILE, float_tensors, write_safetensors
 from eqjax.io.stream_ledger import StreamLedger, work_directory
 
-__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "Encoder", "save_streamed", "pack_int32", "unpack_int32", "unsigned_codes"]
+__all__ = ["FormatError", "TOKENIZER_FILES", "WEIGHT_BITS", "recipe_refusal", "copy_tokenizer", "write_directory", "Shards", "shard_directory", "Encoder", "save_streamed", "pack_int32", "unpack_int32", "unsigned_codes",
+           "group_order", "permuted", "stored_order"]
 
 WEIGHT_BITS = (4, 8)
 """Weight widths written: the ones the formats' kernels (vLLM, transformers, GPTQ) take."""
@@ -258,3 +259,44 @@ def pack_codes(u: np.ndarray, bits: int) -> jax.Array:
 
 
 _pack_axis0 = jax.jit(lambda c, bits: pack(c, bits, 0), static_argnums=1)
+
+
+def group_order(g_idx: np.ndarray | None, n_in: int, size: int, where: str) -> np.ndarray | None:
+    """The input order in which a stored group index ``g_idx [in]`` (each input's group) becomes contiguous
+    groups of ``size`` (the last one shorter): None where it already is (or there is none), else the stable
+    permutation ``perm`` with ``g_idx[perm] == arange(in) // size`` (activation-ordered groups, ``desc_act``).
+    :class:`FormatError` naming ``where`` when no such order exists (a group of another size)."""
+    if g_idx is None:
+        return None
+    g = np.asarray(g_idx)
+    contiguous = np.arange(n_in) // size
+    if g.ndim != 1 or g.shape[0] != n_in or not np.issubdtype(g.dtype, np.integer):
+        raise FormatError(f"{where}: expected an integer group index of {n_in} inputs, found {g.dtype.name} {g.shape}")
+    if np.array_equal(g, contiguous):
+        return None
+    perm = np.argsort(g, kind="stable").astype(np.int32)
+    if not np.array_equal(g[perm], contiguous):
+        raise FormatError(f"{where}: groups of other sizes than the group size {size} (each group must hold {size} "
+                          "inputs, the last one the rest)")
+    return perm
+
+
+def permuted(part: Any, perm: np.ndarray | None, where: str) -> Any:
+    """``part`` (an ``[in, out]`` QArray whose rows are in ``perm``'s order) as the weight it stands for: a
+    :class:`~eqjax.core.qarray.PermutedKernel` when ``perm`` is given, else ``part`` itself."""
+    if perm is None:
+        return part
+    return validate_permuted(PermutedKernel(part, jnp.asarray(perm, jnp.int32), 0), name=where)
+
+
+def stored_order(parts: list[Any], name: str) -> tuple[list[Any], np.ndarray | None]:
+    """``(inner parts, inverse order)`` of the parts of one tensor to be written: PermutedKernels' inner kernels
+    and the order that puts their rows back in input order (``argsort(perm)``; the stored group index is then
+    ``(arange(in) // size)[inverse]``), or ``(parts, None)`` when none is permuted. Fused parts in different
+    input orders are a :class:`FormatError` naming ``name``."""
+    perms = [np.asarray(p.perm) if isinstance(p, PermutedKernel) else None for p in parts]
+    if all(p is None for p in perms):
+        return parts, None
+    if any(p is None or not np.array_equal(p, perms[0]) for p in perms):
+        raise FormatError(f"{name}: fused parts whose inputs are in different orders (activation-ordered groups)")
+    return [p.kernel for p in parts], np.argsort(perms[0]).astype(np.int32)

@@ -31,8 +31,8 @@ truncated, altered or unlisted file is named), the finiteness of every restored 
 
 Packed codes are stored as the uint8 arrays the QArray holds (tensorstore has no uint4), so the
 bytes on disk equal ``tree_nbytes``. Restoring rebuilds the same pytree (QArray / ActQuantKernel /
-RotatedKernel leaves with their static metadata: a rotation's seed and axis, its inner leaf's arrays
-under the same path), so logits are identical after a reload. A rotation's untied ``lm_head`` is
+RotatedKernel / PermutedKernel leaves with their static metadata: a rotation's seed and axis, its inner
+leaf's arrays under the same path, a permutation's order beside them), so logits are identical after a reload. A rotation's untied ``lm_head`` is
 accepted for a tied model. Nothing is unpickled.
 """
 
@@ -42,14 +42,11 @@ import contextlib
 import errno
 import hashlib
 import json
-import logging
 import os
 import pathlib
 import re
-import sys
-import threading
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,12 +54,23 @@ import numpy as np
 from eqjax.core.errors import CompatibilityError, InputError, RuntimeFailure
 from eqjax.core.linear import ActQuantKernel
 from eqjax.core.pytree import flatten, path_str
-from eqjax.core.qarray import Granularity, HalfFloat, QArray, QArrayError, RotatedKernel, validate, validate_half
+from eqjax.core.qarray import (
+    Granularity,
+    HalfFloat,
+    PermutedKernel,
+    QArray,
+    QArrayError,
+    RotatedKernel,
+    validate,
+    validate_half,
+    validate_permuted,
+)
 from eqjax.core.validate import check_params
 from eqjax.distributed.mesh import default_mesh, put, replicated
 from eqjax.distributed.runtime import barrier, broadcast_str, is_main_process, set_stage
 from eqjax.io.atomic import atomic_directory, check_output_dir, deferred_interrupts
 from eqjax.io.hf import CheckpointError
+from eqjax.io.orbax_quiet import orbax_quiet, quiet_leftovers
 from eqjax.methods.kvquant import KVQuant
 from eqjax.models import Model, to_hf_config
 from eqjax.models.hf_config import from_hf_config
@@ -95,7 +103,7 @@ def _qarray_arrays(prefix: str, q: QArray, out: dict[str, Any]) -> None:
 
 
 def _is_saved_leaf(x: Any) -> bool:
-    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel, HalfFloat))
+    return isinstance(x, (QArray, ActQuantKernel, RotatedKernel, PermutedKernel, HalfFloat))
 
 
 def _encode(path: str, leaf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +111,9 @@ def _encode(path: str, leaf: Any, arrays: dict[str, Any]) -> dict[str, Any]:
     if isinstance(leaf, RotatedKernel):  # the inner leaf's arrays under the same path, the seed in the manifest
         return {"kind": "rotated", "seed": int(leaf.seed), "axis": int(leaf.axis), "shape": list(leaf.shape),
                 "inner": _encode(path, leaf.kernel, arrays)}
+    if isinstance(leaf, PermutedKernel):  # the inner leaf's arrays under the same path, the order beside them
+        arrays[f"{path}::perm"] = leaf.perm
+        return {"kind": "permuted", "axis": int(leaf.axis), "inner": _encode(path, leaf.kernel, arrays)}
     if isinstance(leaf, HalfFloat):  # the 16-bit values as stored; the dtype they stand for in the manifest
         arrays[path] = leaf.values
         return {"kind": "half", "shape": list(leaf.shape), "dtype": jnp.dtype(leaf.dtype).name}
@@ -150,17 +161,19 @@ def _decode(meta: dict[str, Any], arrays: dict[str, Any], path: str, root: pathl
             raise CheckpointError(f"corrupt checkpoint entry ({root}: {path}): rotation axis {axis} of a "
                                   f"{len(inner.shape)}-d weight")
         return RotatedKernel(inner, int(meta["seed"]), axis)
+    if kind == "permuted" and isinstance(meta.get("inner"), dict) and meta["inner"].get("kind") in ("qarray", "act_quant"):
+        try:
+            return validate_permuted(PermutedKernel(_decode(meta["inner"], arrays, path, root),
+                                                    jnp.asarray(arrays[f"{path}::perm"]), int(meta["axis"])), name=path)
+        except (QArrayError, IndexError, KeyError) as e:
+            raise CheckpointError(f"corrupt checkpoint entry ({root}: {path}): {e}") from None
     raise CheckpointError(f"corrupt checkpoint manifest ({root / _MANIFEST}: {path}): unknown leaf kind {kind!r}")
 
 
 def _logical_shape(leaf: Any) -> list[int]:
-    if isinstance(leaf, HalfFloat):
-        return list(leaf.shape)
     if isinstance(leaf, ActQuantKernel):
         return list(leaf.weight.shape)
-    if isinstance(leaf, QArray):
-        return list(leaf.shape)
-    return [int(s) for s in np.shape(leaf)]
+    return [int(s) for s in (leaf.shape if isinstance(leaf, (HalfFloat, QArray)) else np.shape(leaf))]
 
 
 def model_fingerprint(model_or_config: Any) -> str:
@@ -234,52 +247,6 @@ def _check_params_arg(params: Any) -> None:
                      f"{kind}{hint}")
 
 
-@contextlib.contextmanager
-def _orbax_quiet() -> Iterator[None]:
-    """Keep Orbax's background-thread logging (absl) and uncaught thread tracebacks off the terminal."""
-    quiet = lambda record: False  # noqa: E731 - a logging filter that drops every record
-    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "asyncio")]
-    for lg in loggers:
-        lg.addFilter(quiet)
-    hooks = threading.excepthook, sys.excepthook, sys.unraisablehook
-    threading.excepthook = sys.excepthook = sys.unraisablehook = lambda *a: None
-    try:
-        yield
-    finally:
-        threading.excepthook, sys.excepthook, sys.unraisablehook = hooks
-        for lg in loggers:
-            lg.removeFilter(quiet)
-
-
-def _from_orbax(exc: BaseException | None) -> bool:
-    """``exc`` is an aborted Orbax write's leftover: raised in Orbax's code, or a callback on its closed loop."""
-    tb = getattr(exc, "__traceback__", None)
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-        return True
-    while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _quiet_leftovers() -> None:
-    """After a failed or interrupted save, Orbax's and tensorstore's writes still in flight fail later (when
-    the process exits): keep their logging and tracebacks off the terminal from now on (installed once)."""
-    if _LEFTOVERS_QUIET:
-        return
-    _LEFTOVERS_QUIET.append(True)
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).addFilter(
-            lambda r: not (f"{os.sep}orbax{os.sep}" in r.pathname or _from_orbax((r.exc_info or (None, None))[1])
-                           or "Task exception was never retrieved" in str(r.msg)))
-    hook, thook, uhook = sys.excepthook, threading.excepthook, sys.unraisablehook
-    sys.excepthook = lambda t, v, tb: None if _from_orbax(v) else hook(t, v, tb)
-    threading.excepthook = lambda a: None if _from_orbax(a.exc_value) else thook(a)
-    sys.unraisablehook = lambda u: None if _from_orbax(u.exc_value) else uhook(u)
-
-
-_LEFTOVERS_QUIET: list[bool] = []
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
@@ -298,7 +265,7 @@ def _write_arrays(ocp: Any, path: pathlib.Path, arrays: dict[str, Any], root: pa
     """Orbax-save ``arrays`` to ``path`` and wait for its threads, quietly; on any failure or interrupt the
     threads are waited for before the error propagates (nothing writes into a directory being removed)."""
     try:
-        with deferred_interrupts(), _orbax_quiet():
+        with deferred_interrupts(), orbax_quiet():
             ck = ocp.StandardCheckpointer()
             try:
                 ck.save(path, arrays)
@@ -307,7 +274,7 @@ def _write_arrays(ocp: Any, path: pathlib.Path, arrays: dict[str, Any], root: pa
                 with contextlib.suppress(BaseException):
                     ck.close()  # waits for any thread still writing
     except BaseException as e:
-        _quiet_leftovers()
+        quiet_leftovers()
         if not isinstance(e, Exception) or isinstance(e, (InputError, RuntimeFailure)):
             raise
         raise _save_failure(e, root) from None

@@ -453,3 +453,30 @@ def test_w8a8_groups_along_flattened_input_axes_equal_the_matrix(group):
     k2 = ActQuantKernel(quantize(w.reshape(192, 20), QuantSpec(8, True, per_group(0, group))), None, 8, "token")
     np.testing.assert_array_equal(np.asarray(act_quant_matmul(x2, k3, (0, 1), (2,))),
                                   np.asarray(act_quant_matmul(x2, k2, (0,), (1,))))
+
+
+@given(st.data())
+def test_permuted_kernel_is_the_weight_with_its_rows_put_back(data):
+    """``PermutedKernel(q, perm)`` stands for ``W[perm[j]] = dequantize(q)[j]``: its linear equals a float64
+    matmul with that weight, within float32 rounding of the K-term sums."""
+    from eqjax.core.numerics import dequantize_leaf
+    from eqjax.core.qarray import PermutedKernel, QArrayError, validate_permuted
+
+    k = data.draw(st.sampled_from([16, 48, 40]), label="k")
+    n, m = data.draw(st.integers(1, 9), label="n"), data.draw(st.integers(1, 5), label="m")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    rng = np.random.default_rng(seed)
+    q = quantize(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), QuantSpec(4, False, per_group(0, 16)))
+    perm = rng.permutation(k)
+    pk = validate_permuted(PermutedKernel(q, jnp.asarray(perm, jnp.int32)))
+    w = np.zeros((k, n))
+    w[perm] = np.asarray(dequantize(q), np.float64)
+    np.testing.assert_array_equal(np.asarray(dequantize_leaf(pk), np.float64), w)
+    x = rng.standard_normal((m, k))
+    want = x @ w
+    bound = k * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(w)) + 1e-30
+    for y in (linear(jnp.asarray(x, jnp.float32), {"kernel": pk}),
+              jax.jit(lambda a, p: linear(a, {"kernel": p}))(jnp.asarray(x, jnp.float32), pk)):
+        assert (np.abs(np.asarray(y, np.float64) - want) <= bound).all()
+    with pytest.raises(QArrayError, match="not a permutation"):
+        validate_permuted(PermutedKernel(q, jnp.asarray(np.r_[perm[1:], perm[1]], jnp.int32)))

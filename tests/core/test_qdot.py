@@ -111,3 +111,32 @@ def test_pallas_interpret_backend_matches_xla(models):
     with use_backend("pallas_interpret"):
         got = np.asarray(jax.jit(lambda pm, a: evaluate(prog, an, pm, a))(q, list(batches[0])))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["linen", "eqjax-llama"])
+def test_input_permuted_weights_run_as_the_weights_they_stand_for(models, name):
+    """A traced model whose quantized 2-D weights are input-permuted (activation-ordered groups) gathers each
+    dot's input features: the same output as the float model on the weights the kernels stand for."""
+    from eqjax.core.numerics import dequantize_leaf
+    from eqjax.core.qarray import PermutedKernel
+
+    fn, params, batches = models[name]
+    prog = trace(fn, params, batches[0])
+    an = analyze(prog)
+    paths, leaves, _ = flatten_with_paths(params)
+    flat = dict(zip(paths, leaves))
+    q, _ = _quantized(an, flat, *MODES["w4g8"])
+    rng = np.random.default_rng(0)
+    deq, permuted = dict(flat), 0
+    for use in an.uses:
+        w = q[use.path]
+        if use.contracting == (0,) and len(w.shape) == 2 and not use.batch and not use.view.index:
+            q[use.path] = PermutedKernel(w, jnp.asarray(rng.permutation(w.shape[0]), jnp.int32))
+            permuted += 1
+    assert permuted
+    for path in q:
+        if an.roles.get(path) is not None and an.roles[path].kind == "matmul":
+            deq[path] = dequantize_leaf(q[path])
+    got = np.asarray(jax.jit(lambda pm, a: evaluate(prog, an, pm, a))(q, list(batches[0])))
+    ref = np.asarray(fn(unflatten_paths(deq, params), *batches[0]))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

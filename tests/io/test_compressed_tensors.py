@@ -263,25 +263,51 @@ def test_recipes_the_format_cannot_hold_are_refused(name: str, why: str) -> None
         check_recipe(get_recipe(name))
 
 
-def test_activation_ordered_groups_are_refused(quantized, tmp_path) -> None:
+def test_activation_ordered_groups_read_as_the_stored_weights(quantized, tmp_path) -> None:
+    """A group index (``actorder: group``, older llm-compressor releases) is read as the weight it defines,
+    ``scale[:, g_idx[k]] * q[:, k]`` on the package's own unpacking; such a weight is not written back."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.numpy import load_file, save_file
+
+    from eqjax.core.qarray import PermutedKernel
+
+    model, _, d, _ = quantized["w4g128-rtn-sym"]
+    bad = tmp_path / "perm"
+    bad.mkdir()
+    tensors = load_file(d / "model.safetensors")
+    stem = "model.layers.0.mlp.up_proj"
+    size = tensors[f"{stem}.weight_shape"][1] // tensors[f"{stem}.weight_scale"].shape[1]
+    g_idx = (np.random.default_rng(0).permutation(160) // size).astype(np.int32)
+    tensors[f"{stem}.weight_g_idx"] = g_idx
+    save_file(tensors, bad / "model.safetensors")
+    (bad / "config.json").write_text((d / "config.json").read_text())
+    _, q = load_compressed_tensors(bad)
+    leaf = q["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(leaf, PermutedKernel)
+    codes = unpack_from_int32(torch.tensor(tensors[f"{stem}.weight_packed"]), 4,
+                              torch.Size(tensors[f"{stem}.weight_shape"].tolist())).numpy().astype(np.float64)
+    want = tensors[f"{stem}.weight_scale"].astype(np.float64)[:, g_idx] * codes  # [out, in]
+    np.testing.assert_array_equal(np.asarray(dequantize_leaf(leaf), np.float64), want.T)
+    with pytest.raises(FormatError, match=r"up_proj\.weight \(compressed-tensors\): activation-ordered groups .* as gptq"):
+        save_compressed_tensors(tmp_path / "again", model, q)
+    assert not (tmp_path / "again").exists()
+
+
+def test_a_malformed_group_index_or_scale_is_refused(quantized, tmp_path) -> None:
     from safetensors.numpy import load_file, save_file
 
     _, _, d, _ = quantized["w4g128-rtn-sym"]
     bad = tmp_path / "perm"
     bad.mkdir()
     tensors = load_file(d / "model.safetensors")
-    tensors["model.layers.0.mlp.up_proj.weight_g_idx"] = np.random.default_rng(0).permutation(160).astype(np.int32) // 32
+    g = np.arange(160) // 32
+    g[-1] = 0  # group 0 holds one input too many
+    tensors["model.layers.0.mlp.up_proj.weight_g_idx"] = np.random.default_rng(0).permutation(g).astype(np.int32)
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_text((d / "config.json").read_text())
     for read in (load_compressed_tensors, stream_compressed_tensors):  # streamed: refused before any part is read
-        with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_g_idx: activation-ordered groups"):
+        with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_g_idx: groups of other sizes"):
             read(bad)
-    scale = tensors["model.layers.1.mlp.up_proj.weight_scale"]
-    tensors["model.layers.1.mlp.up_proj.weight_scale"] = scale[:, :-1].copy()
-    del tensors["model.layers.0.mlp.up_proj.weight_g_idx"]
-    save_file(tensors, bad / "model.safetensors")
-    for read in (load_compressed_tensors, stream_compressed_tensors):
-        with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.up_proj\.weight_scale: expected shape"):
             read(bad)
     del tensors["model.layers.0.mlp.up_proj.weight_scale"]
     save_file(tensors, bad / "model.safetensors")

@@ -199,25 +199,131 @@ def test_what_the_layout_cannot_hold_is_refused(name: str, why: str) -> None:
         check_recipe(get_recipe(name))
 
 
-def test_activation_ordered_groups_are_refused(written, tmp_path) -> None:
+def _act_ordered(written, tmp_path: pathlib.Path, g_idx_of=None) -> tuple[pathlib.Path, dict[str, np.ndarray]]:
+    """The ``w4g128-rtn`` directory made activation-ordered as a GPTQ ``desc_act`` checkpoint is: every linear's
+    ``g_idx`` a random balanced group index (``permutation(in) // 128``) and its codes random words."""
     from safetensors.numpy import load_file, save_file
 
     d = written["w4g128-rtn"][2]
     tensors = load_file(d / "model.safetensors")
-    tensors["model.layers.0.mlp.up_proj.g_idx"] = np.random.default_rng(0).permutation(160).astype(np.int32) // 128
-    bad = tmp_path / "perm"
-    bad.mkdir()
-    save_file(tensors, bad / "model.safetensors")
-    (bad / "config.json").write_text((d / "config.json").read_text())
+    rng = np.random.default_rng(7)
+    for name in [n for n in tensors if n.endswith(".g_idx")]:
+        n_in = tensors[name].shape[0]
+        tensors[name] = (g_idx_of or (lambda n: rng.permutation(n) // 128))(n_in).astype(np.int32)
+        qw = name[: -len("g_idx")] + "qweight"
+        tensors[qw] = rng.integers(-(2**31), 2**31, tensors[qw].shape, dtype=np.int64).astype(np.int32)
+    out = tmp_path / "desc_act"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    for f in d.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    return out, tensors
+
+
+def _gptq_weight(tensors: dict[str, np.ndarray], stem: str) -> np.ndarray:
+    """``[in, out]`` float64 weight of a v1 GPTQ 4-bit linear by the layout's definition, unpacked here bit by bit:
+    ``scale[g_idx[k]] * (q[k] - (qzero[g_idx[k]] + 1))``."""
+    qw, qz, s, g = (tensors[f"{stem}.{n}"] for n in ("qweight", "qzeros", "scales", "g_idx"))
+    k = np.arange(g.shape[0])
+    q = (qw.view(np.uint32)[k // 8] >> (4 * (k % 8))[:, None].astype(np.uint32)) & 15
+    n = np.arange(s.shape[1])
+    z = ((qz.view(np.uint32)[:, n // 8] >> (4 * (n % 8)).astype(np.uint32)) & 15) + 1
+    return s.astype(np.float64)[g] * (q.astype(np.float64) - z.astype(np.float64)[g])
+
+
+def test_activation_ordered_groups_read_as_the_stored_weights(written, tmp_path) -> None:
+    from eqjax.core.qarray import PermutedKernel
+
+    d, tensors = _act_ordered(written, tmp_path)
+    model, q = load_gptq(d)
+    kernel = q["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(kernel, PermutedKernel) and isinstance(kernel.kernel, QArray)
+    for leaf, stem in ((q["layers_0"]["mlp"]["up_proj"], "model.layers.0.mlp.up_proj"),
+                       (q["layers_1"]["attn"]["o_proj"], "model.layers.1.self_attn.o_proj")):
+        # exact: a float16 scale times a 4-bit code difference is a float32 number
+        np.testing.assert_array_equal(np.asarray(dequantize_leaf(leaf["kernel"]), np.float64), _gptq_weight(tensors, stem))
+
+    # the model gathers its inputs: the same logits as transformers' Llama on the stored weights
+    ref = transformers.LlamaForCausalLM.from_pretrained(written["w4g128-rtn"][2].parent / "fp", torch_dtype=torch.float32)
+    state = ref.state_dict()
+    for name in [n for n in tensors if n in state]:  # the float params as stored (float16)
+        state[name] = torch.tensor(tensors[name].astype(np.float32))
+    for name in [n for n in tensors if n.endswith(".g_idx")]:
+        stem = name[: -len(".g_idx")]
+        state[f"{stem}.weight"] = torch.tensor(_gptq_weight(tensors, stem).T, dtype=torch.float32)
+    ref.load_state_dict(state)
+    ids = np.random.default_rng(1).integers(0, 256, (2, 12)).astype(np.int32)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    got = np.asarray(model.apply(q, jnp.asarray(ids))[0])
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=64 * float(np.finfo(np.float32).eps) * max(scale, 1.0))
+
+
+def test_activation_ordered_groups_are_written_back_as_they_were_read(written, tmp_path) -> None:
+    from safetensors.numpy import load_file
+
+    d, tensors = _act_ordered(written, tmp_path)
+    model, q = load_gptq(d)
+    info = save_gptq(tmp_path / "again", model, q, copy_from=d)
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    for name in [n for n in tensors if n.endswith((".qweight", ".qzeros", ".g_idx"))]:
+        np.testing.assert_array_equal(again[name], tensors[name], err_msg=name)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["desc_act"] is True
+    assert info["bits"] == 4
+    _, streamed = stream_gptq(d)  # streamed: the same permuted kernels, part by part
+    from eqjax.core.pytree import nest_paths
+
+    got = nest_paths(streamed.load(streamed.paths))
+    assert jax.tree.structure(got) == jax.tree.structure(q)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(q)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_activation_ordered_checkpoint_exports_to_onnx_and_is_refused_by_gguf(written, tmp_path) -> None:
+    """ONNX: the input gathered before each MatMulNBits, the package's logits checked against eqjax's by the
+    export itself; GGUF's blocks run along the inputs as stored, so a permuted weight is refused, naming it."""
+    from eqjax.cli.main import main
+
+    d, _ = _act_ordered(written, tmp_path)
+    pkg = tmp_path / "onnx"
+    assert main(["export-onnx", "--checkpoint", str(d), "--out", str(pkg)]) == 0
+    man = json.loads((pkg / "eqjax_export.json").read_text())
+    assert man["check"]["max_rel_diff"] <= man["check"]["tolerance"] and man["check"]["top1_agreement"] > 0.9
+    from eqjax.io.gguf import GGUFError
+    from eqjax.io.gguf_write import export_gguf
+
+    model, q = load_gptq(d)
+    with pytest.raises(GGUFError, match=r"/kernel: activation-ordered groups \(a GPTQ desc_act g_idx"):
+        export_gguf(q, tmp_path / "m.gguf", source=d, metadata=(model.config, []))
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_group_index_with_groups_of_other_sizes_is_refused(written, tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    def lopsided(n: int) -> np.ndarray:  # group 0 holds one input too many
+        g = np.arange(n) // 128
+        g[-1] = 0
+        return np.random.default_rng(3).permutation(g)
+
+    d, tensors = _act_ordered(written, tmp_path, lopsided)
     for read in (load_gptq, stream_gptq):  # streamed: refused before any part is read
-        with pytest.raises(FormatError, match=r"model\.layers\.0\.mlp\.up_proj\.g_idx: activation-ordered groups"):
-            read(bad)
-    del tensors["model.layers.0.mlp.up_proj.g_idx"]
+        with pytest.raises(FormatError, match=r"model\.layers\.0\.\w+\.\w+_proj\.g_idx: groups of other sizes than "
+                                              r"the group size 128"):
+            read(d)
+    tensors = load_file(d / "model.safetensors")
     tensors["model.layers.1.self_attn.o_proj.scales"] = tensors["model.layers.1.self_attn.o_proj.scales"][:, :-1].copy()
-    save_file(tensors, bad / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".g_idx")]:
+        del tensors[name]
+    save_file(tensors, d / "model.safetensors")
     for read in (load_gptq, stream_gptq):
         with pytest.raises(FormatError, match=r"model\.layers\.1\.self_attn\.o_proj\.scales: expected shape"):
-            read(bad)
+            read(d)
 
 
 @pytest.mark.parametrize("name", ["w4g128-rtn-sym", "w4g128-rtn"])

@@ -80,6 +80,31 @@ def test_rotated_model_round_trip(tmp_path, tied):
         load_quantized(tmp_path / "ck", verify=False)
 
 
+def test_permuted_kernel_round_trip(tmp_path):
+    """An input-permuted kernel (activation-ordered GPTQ groups): its order beside the inner QArray's arrays;
+    reloaded, the logits are identical; a damaged entry is named, not a traceback."""
+    from eqjax.core.qarray import PermutedKernel
+
+    model = Model(LlamaConfig(vocab=64, hidden=64, intermediate=96, n_layers=1, n_heads=2, n_kv_heads=1))
+    q = quantize(model.init_params(jax.random.PRNGKey(1)), get_recipe("w4g128-rtn"), model=model)
+    up = q["layers_0"]["mlp"]["up_proj"]
+    perm = jnp.asarray(np.random.default_rng(0).permutation(64), jnp.int32)
+    up["kernel"] = PermutedKernel(up["kernel"], perm)
+    save_quantized(tmp_path / "ck", q, recipe="w4g128-rtn")
+    m = json.loads((tmp_path / "ck" / "eqjax.json").read_text())
+    entry = m["leaves"]["layers_0/mlp/up_proj/kernel"]
+    assert entry["kind"] == "permuted" and entry["inner"]["kind"] == "qarray"
+    q2, _ = load_quantized(tmp_path / "ck")
+    k2 = q2["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(k2, PermutedKernel) and np.array_equal(np.asarray(k2.perm), np.asarray(perm))
+    toks = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % 64
+    np.testing.assert_array_equal(np.asarray(model.apply(q, toks)[0]), np.asarray(model.apply(q2, toks)[0]))
+    entry["axis"] = 5
+    (tmp_path / "ck" / "eqjax.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"corrupt checkpoint entry .*up_proj/kernel\)"):
+        load_quantized(tmp_path / "ck", verify=False)
+
+
 def test_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not an eqjax checkpoint"):
         load_quantized(tmp_path)

@@ -1,6 +1,7 @@
 """A peer's activation-ordered GPTQ checkpoint read by eqjax; writes bench/results/hf_actorder.{json,md}.
 
-llm-compressor 0.6.0 (the last release whose compressed-tensors, 0.10, still writes a group index) runs GPTQ
+llm-compressor 0.6.0 (the last release whose compressed-tensors, 0.10, still writes a group index; in an env of its
+own with the transformers of its release, 4.52.4, bench/peers.py's ``llmcompressor-0.6``) runs GPTQ
 with ``actorder: group`` on SmolLM2-135M (the peers' protocol of bench/peers.py: the same float checkpoint and
 token ids), 4-bit groups of 64 (SmolLM2's 576 inputs are not a multiple of 128), and saves the compressed
 directory (``save_pretrained(save_compressed=True)``: pack-quantized weights with a permuted

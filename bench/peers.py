@@ -63,8 +63,10 @@ VENVS = {
     # and pinning 4.57.6 resolves to llmcompressor 0.6.0: so it gets its own env with what it asks for
     "llmcompressor": ["torch==2.13.0", "llmcompressor"],
     "gptqmodel": ["torch==2.13.0", "transformers==4.57.6", "gptqmodel"],
-    # the last llm-compressor whose compressed-tensors (0.10) still writes activation-ordered groups (g_idx)
-    "llmcompressor-0.6": ["torch==2.13.0", "transformers==4.57.6", "llmcompressor==0.6.0"],
+    # the last llm-compressor whose compressed-tensors (0.10) still writes activation-ordered groups (g_idx), with
+    # the transformers of its release (its calibration pipelines fail on 4.57's attention masks) and a pyarrow from
+    # before pyarrow required numpy 2 (it pins numpy < 2; the datasets it installs needs pyarrow >= 21)
+    "llmcompressor-0.6": ["torch==2.13.0", "transformers==4.52.4", "llmcompressor==0.6.0", "pyarrow>=21,<22"],
 }
 PEER_PKG = {"auto-round": "auto-round", "llmcompressor": "llmcompressor", "gptqmodel": "gptqmodel",
             "rtn-torch": "torch", "fp": "torch"}

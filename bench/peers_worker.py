@@ -200,7 +200,7 @@ def llmcompressor_gptq(model, calib, cfg: dict, tok=None):
     """llm-compressor oneshot GPTQ; the in-memory model after oneshot (fake-quantized float weights), or with
     ``cfg["save_dir"]`` the checkpoint it saves there (``save_pretrained(save_compressed=True)``) as transformers
     loads it back. ``cfg["actorder"]``: GPTQ's activation ordering (``"group"``: a permuted ``weight_g_idx``);
-    ``cfg["calib_windows"]``: the first windows of ``calib`` only."""
+    ``cfg["calib_windows"]``: the first windows of ``calib`` only; ``cfg["pipeline"]``: its calibration pipeline."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
@@ -218,7 +218,7 @@ def llmcompressor_gptq(model, calib, cfg: dict, tok=None):
                 "group_size": cfg["group"], **({"actorder": cfg["actorder"]} if cfg.get("actorder") else {})}}},
         )
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(calib.shape[1]),
-            num_calibration_samples=len(calib))
+            num_calibration_samples=len(calib), **({"pipeline": cfg["pipeline"]} if cfg.get("pipeline") else {}))
     if not cfg.get("save_dir"):
         return model
     import torch
@@ -295,7 +295,7 @@ def main() -> int:
                 row["wall_seconds"] = time.perf_counter() - t0
                 pathlib.Path(args.out).write_text(json.dumps(row, indent=1))
                 return 0
-            if peer != "fp":
+            if peer != "fp" and not cfg.get("save_dir"):  # a saved checkpoint loads compressed: nothing to inspect
                 row["quantized"] = inspect_quantized(q, cfg["bits"], cfg["group"])
             if hasattr(q, "autoround_recovered"):
                 row["autoround_recovered"] = q.autoround_recovered

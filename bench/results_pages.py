@@ -597,7 +597,56 @@ def page_hf_formats() -> str:
     machine = (f"{m['cpu']} ({m['cpus']} CPUs, shared with other work), {m['date']}; jax {v['jax']}, transformers "
                f"{v['transformers']}, compressed-tensors {v['compressed_tensors']}, torch {v['torch']}")
     body.append("\n" + source(["hf_formats.json"], machine) + "\n")
+    body += _more_peer_tokens(peer_target) + _actorder_peer()
     return "\n".join(body)
+
+
+def _more_peer_tokens(peer_target: float) -> list[str]:
+    """The peer-made checkpoints again on more evaluation tokens (``hf_formats.py --peers-only``), where int8
+    activations' code flips average out."""
+    if not exists("hf_formats_peers.json"):
+        return []
+    d = load("hf_formats_peers.json")
+    m, v = d["meta"], d["meta"]["versions"]
+    p = m["protocol_fields"]
+    out = [f"## The same peer checkpoints on {p['eval_windows']} x {p['ctx']} tokens\n",
+           f"```bash\n{m['command']}\n```\n" if m.get("command") else "",
+           f"**Protocol.** {m['protocol']}.\n"]
+    out += _peer_table(d["peers"], peer_target)
+    machine = (f"{m['cpu']} ({m['cpus']} CPUs, shared with other work), {m['date']}; jax {v['jax']}, transformers "
+               f"{v['transformers']}, compressed-tensors {v['compressed_tensors']}, torch {v['torch']}")
+    return out + [source(["hf_formats_peers.json"], machine) + "\n"]
+
+
+def _actorder_peer() -> list[str]:
+    """llm-compressor's activation-ordered GPTQ checkpoint (``bench/actorder.py``), read by eqjax."""
+    if not exists("hf_actorder.json"):
+        return []
+    d = load("hf_actorder.json")
+    r = d["row"]
+    out = ["## An activation-ordered GPTQ checkpoint made by llm-compressor\n",
+           "```bash\npython bench/actorder.py\n```\n",
+           "llm-compressor 0.6.0 (the last release whose compressed-tensors, 0.10, writes a group index) runs GPTQ "
+           "with `actorder: group` and saves the compressed directory: pack-quantized weights whose `weight_g_idx` "
+           "scatters each group over the inputs. transformers loads it back in the peer's own env (the peer's torch "
+           "forward); eqjax reads it with `load_compressed_tensors` (each such weight a `PermutedKernel`: the codes' "
+           f"rows in group order, the input gathered at use). **Protocol.** {d['protocol']}; target |diff| <= "
+           f"{d['target_pct']} %.\n"]
+    if "error" in r:
+        out.append(f"Not measured: the peer run failed (`{first_line(r['error'])}`).\n")
+    else:
+        ok = abs(r["diff_pct"]) <= d["target_pct"]
+        out.append(table(["peer checkpoint", "weights", "weights with a permuted g_idx", "ppl transformers",
+                          "ppl eqjax", "diff", f"within {d['target_pct']} %", "peer quantize s"],
+                         [[r["name"], r["weights"], f"{r['permuted_weights']} of {r['quantized_weights']}",
+                           f3(r["ppl_peer"]), f3(r["ppl_eqjax"]), pct(r["diff_pct"], 3), "yes" if ok else "**no**",
+                           f"{r['quantize_seconds']:.0f}"]],
+                         ["---", "---", "--:", "--:", "--:", "--:", "---", "--:"]))
+    vers = ", ".join(f"{k} {v}" for k, v in d["peer_versions"].items())
+    mach = d["machine"]
+    out.append("\n" + source(["hf_actorder.json"], f"{mach['cpu']}, {mach['cores']} CPUs (the peer with 1 thread), "
+                                                   f"{d['when']}; peer env {vers}; jax {d['jax']}") + "\n")
+    return out
 
 
 # ------------------------------------------------------------------------------------------- onnx

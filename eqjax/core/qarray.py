@@ -414,8 +414,29 @@ jax.tree_util.register_dataclass(
 )
 
 
+class _InputTransformed:
+    """What a weight whose input is transformed before its inner ``kernel`` shares: the inner kernel's shape, float
+    dtype and stored bytes."""
+
+    kernel: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.kernel.shape)
+
+    @property
+    def dtype(self) -> Any:
+        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
+        return k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        k = self.kernel
+        return int(k.nbytes) if is_quantized(k) else int(np.prod(k.shape, dtype=np.int64)) * jnp.dtype(k.dtype).itemsize
+
+
 @dataclasses.dataclass(frozen=True)
-class RotatedKernel:
+class RotatedKernel(_InputTransformed):
     """A weight whose input is rotated online (QuaRot's Hadamard before ``down_proj``).
 
     The weight's use computes ``(x @ Q) . kernel`` with ``x``'s axis paired with the weight's input
@@ -435,20 +456,6 @@ class RotatedKernel:
     seed: int = 0
     axis: int = 0
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.kernel.shape)
-
-    @property
-    def dtype(self) -> Any:
-        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
-        return k.dtype
-
-    @property
-    def nbytes(self) -> int:
-        k = self.kernel
-        return int(k.nbytes) if is_quantized(k) else int(np.prod(k.shape, dtype=np.int64)) * jnp.dtype(k.dtype).itemsize
-
     def signs(self) -> np.ndarray:
 
         return random_signs(self.shape[self.axis], self.seed)
@@ -463,7 +470,7 @@ jax.tree_util.register_dataclass(RotatedKernel, data_fields=["kernel"], meta_fie
 
 
 @dataclasses.dataclass(frozen=True)
-class PermutedKernel:
+class PermutedKernel(_InputTransformed):
     """A weight whose input features are gathered in another order before its inner kernel is applied
     (GPTQ's activation-ordered groups, ``desc_act`` with a permuted ``g_idx``).
 
@@ -486,19 +493,8 @@ class PermutedKernel:
     axis: int = 0
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.kernel.shape)
-
-    @property
-    def dtype(self) -> Any:
-        k = self.kernel.weight if isinstance(self.kernel, ActQuantKernel) else self.kernel
-        return k.dtype
-
-    @property
     def nbytes(self) -> int:
-        k = self.kernel
-        inner = int(k.nbytes) if is_quantized(k) else int(np.prod(k.shape, dtype=np.int64)) * jnp.dtype(k.dtype).itemsize
-        return inner + _nbytes(self.perm)
+        return super().nbytes + _nbytes(self.perm)
 
     def gather_input(self, x: jax.Array, axis: int = -1) -> jax.Array:
         """``x`` with its ``axis`` (the one paired with the weight's input axis) taken in ``perm``'s order."""

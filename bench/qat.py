@@ -72,6 +72,13 @@ def _lr(row: dict) -> float | None:
     return row.get("step_reports", {}).get("qat", {}).get("lr_scale")
 
 
+def _tokens(row: dict) -> int | None:
+    """The QAT training tokens of a row (0: a row without QAT; None: a failed row, which records none)."""
+    if "error" in row:
+        return None
+    return row.get("step_reports", {}).get("qat", {}).get("tokens", 0)
+
+
 def _block_iters(row: dict) -> int | None:
     """The block-wise stage's steps per block of a row (None: a row without one)."""
     return row.get("step_reports", {}).get("bqat", {}).get("iters")
@@ -215,9 +222,8 @@ def main() -> int:
             biters = (args.qat_block_iters if args.qat_block_iters is not None else BlockQAT.iters) \
                 if "+bqat" in recipe else None
             same = [r for r in data["rows"] if r["recipe"] == recipe and r["seed"] == seed and _lr(r) == want
-                    and _block_iters(r) == biters]
-            have = [r for r in same if r.get("step_reports", {}).get("qat", {}).get("tokens", 0) >= tokens
-                    and "error" not in r]
+                    and _block_iters(r) == biters and _tokens(r) in (tokens, None)]  # another budget is another row
+            have = [r for r in same if "error" not in r]
             if have and not args.rerun:
                 continue
             print(f"{recipe} seed {seed} ...", flush=True)

@@ -1164,6 +1164,7 @@ PHASE_NAMES = {"read": "read", "quantize": "steps", "forward": "calibration forw
 def page_qat() -> str:
     body = [f"# Quantization-aware training\n\n{GENERATED}\n",
             "```bash\npython bench/qat.py --recipes w3g128-gptq-search+qat --qat-tokens 131072 --seeds 0\n"
+            "python bench/qat.py --recipes w3g128-gptq-search+qat --qat-tokens 65536 --seeds 0\n"
             "python bench/qat.py --recipes w2g64-gptq-search+qat --qat-tokens 131072 --seeds 0\n```\n"]
     if not exists("qat.json"):
         return "\n".join(body + ["Not measured yet.\n"])

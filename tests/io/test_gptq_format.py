@@ -260,6 +260,8 @@ def test_activation_ordered_groups_read_as_the_stored_weights(written, tmp_path)
     with torch.no_grad():
         want = ref(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     got = np.asarray(model.apply(q, jnp.asarray(ids))[0])
+    # the same float32 products summed in other orders (dot products of up to 256 terms, two blocks, the head):
+    # tens of float32 eps of the logits' magnitude; a wrong input order moves them by far more than that
     scale = float(np.abs(want).max())
     np.testing.assert_allclose(got, want, rtol=0, atol=64 * float(np.finfo(np.float32).eps) * max(scale, 1.0))
 
